@@ -1,0 +1,129 @@
+"""Run one function on N tensor-parallel ranks: spawned CPU/GPU processes, or under torchrun.
+
+`run_on_ranks(fn, world_size, ...)` starts `world_size` processes, initializes a process group in
+each (gloo on CPU, NCCL on CUDA), calls `fn(ctx, *args)` with that rank's `ParallelContext`, and
+returns every rank's result in rank order. A rank that raises makes the whole call raise with that
+rank's traceback, and the other ranks are stopped, so a failure never turns into a hang.
+Under torchrun (RANK/WORLD_SIZE set) it joins the existing launch instead of spawning.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fxfuse.models.parallel import ParallelContext
+
+#: NVLink multicast stays off in every process we start (see DESIGN.md / DEVICE.md).
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+class RankFailed(RuntimeError):
+    """Raised in the launching process when a rank raised; carries that rank's traceback."""
+
+
+def under_torchrun() -> bool:
+    """True when this process was started by torchrun (or any launcher that sets RANK/WORLD_SIZE)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def free_port() -> int:
+    """An unused TCP port on localhost for the rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_rank(rank: int, world_size: int, device: str, port: int | None, timeout_s: float) -> ParallelContext:
+    """Initialize this process's group (gloo for cpu, nccl for cuda) and return its context."""
+    for key, value in SAFE_ENV.items():
+        os.environ.setdefault(key, value)
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
+    if port is not None:
+        kwargs["init_method"] = f"tcp://127.0.0.1:{port}"
+        kwargs.update(rank=rank, world_size=world_size)
+    dist.init_process_group(backend, **kwargs)
+    return ParallelContext.from_group(dist.group.WORLD)
+
+
+def _rank_main(rank, world_size, device, port, timeout_s, fn, args, queue):
+    try:
+        torch.manual_seed(0)
+        ctx = init_rank(rank, world_size, device, port, timeout_s)
+        result = fn(ctx, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - report every failure to the parent instead of hanging it
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    device: str = "cpu",
+    timeout_s: float = 900.0,
+) -> list[Any]:
+    """Call `fn(ctx, *args)` on `world_size` ranks and return the results in rank order.
+
+    `fn` must be picklable (a module-level function) and return picklable values. Under torchrun
+    the current process is one rank: it runs `fn` once and returns a one-element list with its
+    own result (only rank 0 needs to report). Raises `RankFailed` if any rank raised.
+    """
+    if under_torchrun():
+        ctx = init_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device, None, timeout_s)
+        try:
+            return [fn(ctx, *args)]
+        finally:
+            dist.destroy_process_group()
+    mp_ctx = mp.get_context("spawn")
+    queue = mp_ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        mp_ctx.Process(target=_rank_main, args=(r, world_size, device, port, timeout_s, fn, args, queue), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        while len(results) < world_size:
+            report = _next_report(queue, procs, results)
+            if report is None:
+                codes = {r: p.exitcode for r, p in enumerate(procs)}
+                raise RankFailed(f"a rank exited without reporting a result (exit codes by rank: {codes})")
+            rank, ok, payload = report
+            if not ok:
+                raise RankFailed(f"rank {rank} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world_size)]
+
+
+def _next_report(queue, procs, reported: dict[int, Any], poll_s: float = 0.05):
+    """Next (rank, ok, payload) from the queue, or None once a rank died without reporting."""
+    while True:
+        if not queue.empty():
+            return queue.get()
+        dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in reported]
+        if dead:
+            time.sleep(0.5)  # a rank that reported just before exiting: let its message land
+            return queue.get() if not queue.empty() else None
+        time.sleep(poll_s)
