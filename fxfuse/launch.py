@@ -27,7 +27,17 @@ SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 
 
 class RankFailed(RuntimeError):
-    """Raised in the launching process when a rank raised; carries that rank's traceback."""
+    """Raised in the launching process when a rank failed.
+
+    `rank` is the failing rank (None if unknown), `error` the one-line `Type: message` of the
+    exception it raised and `traceback` its full traceback text.
+    """
+
+    def __init__(self, message: str, rank: int | None = None, error: str = "", traceback_text: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.error = error or message
+        self.traceback = traceback_text
 
 
 def under_torchrun() -> bool:
@@ -63,8 +73,8 @@ def _rank_main(rank, world_size, device, port, timeout_s, fn, args, queue):
         ctx = init_rank(rank, world_size, device, port, timeout_s)
         result = fn(ctx, *args)
         queue.put((rank, True, result))
-    except BaseException:  # noqa: BLE001 - report every failure to the parent instead of hanging it
-        queue.put((rank, False, traceback.format_exc()))
+    except BaseException as exc:  # noqa: BLE001 - report every failure to the parent instead of hanging it
+        queue.put((rank, False, (f"{type(exc).__name__}: {exc}", traceback.format_exc())))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -107,7 +117,8 @@ def run_on_ranks(
                 raise RankFailed(f"a rank exited without reporting a result (exit codes by rank: {codes})")
             rank, ok, payload = report
             if not ok:
-                raise RankFailed(f"rank {rank} failed:\n{payload}")
+                error, traceback_text = payload
+                raise RankFailed(f"rank {rank} failed:\n{traceback_text}", rank, error, traceback_text)
             results[rank] = payload
     finally:
         for p in procs:
