@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from checkpoint_helpers import expected_shard, fake_rank_context, load_saved, save_tiny_hf_checkpoint, sharded_module_tree
 from fxfuse.launch import run_on_ranks
@@ -118,3 +117,142 @@ def test_skips_extra_layers_rotary_tables_and_unused_scales(single_dir):
     model = sharded_module_tree(shapes_of(model_tensors), 2)
     load_weights(model, DictSource({**model_tensors, **extra}), fake_rank_context(0, 2))
     assert_loaded(model, full, 0, 2)
+
+
+# ---- validation: every failure kind is reported by name, before any tensor data is read ----
+
+
+class CountingSource(DictSource):
+    """A DictSource that counts reads, to prove validation happens before any data is read."""
+
+    reads = 0
+
+    def read(self, name, slices):
+        self.reads += 1
+        return super().read(name, slices)
+
+
+def load_problem(full, model_tensors, world_size=2, *, pattern):
+    """Load `full` into a tree built from `model_tensors`; assert a CheckpointError matching `pattern`
+    and that no tensor data was read. Returns the error."""
+    source = CountingSource(full)
+    model = sharded_module_tree(shapes_of(model_tensors), world_size)
+    with pytest.raises(CheckpointError, match=pattern) as info:
+        load_weights(model, source, fake_rank_context(0, world_size))
+    assert source.reads == 0
+    return info.value
+
+
+def test_missing_tensor(single_dir):
+    _, full = single_dir
+    partial = {k: v for k, v in full.items() if k != "model.layers.1.mlp.experts.2.up_proj.weight"}
+    error = load_problem(partial, full, pattern=r"missing tensor model\.layers\.1\.mlp\.experts\.2\.up_proj\.weight "
+                         r"\(for parameter model\.layers\.1\.mlp\.experts\.up_proj\)")
+    assert len(error.problems) == 1
+
+
+def test_unexpected_tensor(single_dir):
+    _, full = single_dir
+    extra = {**full, "model.layers.0.self_attn.q_proj.weight": torch.zeros(64, 32)}
+    load_problem(extra, full, pattern=r"unexpected tensor model\.layers\.0\.self_attn\.q_proj\.weight")
+
+
+def test_orphan_scale_is_unexpected(single_dir):
+    _, full = single_dir
+    extra = {**full, "model.layers.0.self_attn.o_proj.weight_scale_inv": torch.ones(1, 1)}
+    load_problem(extra, full, pattern=r"unexpected tensor model\.layers\.0\.self_attn\.o_proj\.weight_scale_inv")
+
+
+def test_shape_mismatch(single_dir):
+    _, full = single_dir
+    wrong = {**full, "model.layers.1.mlp.experts.3.down_proj.weight": torch.zeros(32, 18)}
+    load_problem(wrong, full, pattern=r"tensor model\.layers\.1\.mlp\.experts\.3\.down_proj\.weight: checkpoint shape "
+                 r"\(32, 18\) does not match the model's \(32, 16\) \(parameter model\.layers\.1\.mlp\.experts\.down_proj, "
+                 r"dim 1 split over 2 ranks\)")
+
+
+def test_tensor_parallel_size_not_dividing(single_dir):
+    _, full = single_dir
+    error = load_problem(full, full, world_size=3, pattern=r"tensor model\.embed_tokens\.weight: tensor-parallel size 3 "
+                         r"does not divide dim 0 \(size 64\)")
+    assert any("o_proj.weight: tensor-parallel size 3 does not divide dim 1 (size 32)" in p for p in error.problems)
+
+
+def test_many_problems_are_listed_together(single_dir):
+    _, full = single_dir
+    extras = {f"model.extra_{i}.weight": torch.zeros(1) for i in range(13)}
+    error = load_problem({**full, **extras}, full, pattern=r"\(13 problem\(s\)\)")
+    message = str(error)
+    assert message.count("unexpected tensor model.extra_") == 10 and "... and 3 more problem(s)" in message
+
+
+def test_non_strict_tolerates_missing_and_unexpected(single_dir):
+    _, full = single_dir
+    kept = "model.norm.weight"
+    partial = {k: v for k, v in full.items() if k != kept}
+    model = sharded_module_tree(shapes_of(full), 2)
+    load_weights(model, DictSource({**partial, "extra.weight": torch.zeros(1)}), fake_rank_context(0, 2), strict=False)
+    params = dict(model.named_parameters())
+    assert params.pop(kept).isnan().all()
+    for name, param in params.items():
+        assert torch.equal(param, expected_shard(full, name, param, 0, 2)), name
+
+
+def copy_checkpoint(source_dir, target_dir):
+    target_dir.mkdir()
+    for path in source_dir.iterdir():
+        (target_dir / path.name).write_bytes(path.read_bytes())
+    return target_dir
+
+
+def test_missing_config_json(single_dir, tmp_path):
+    directory = copy_checkpoint(single_dir[0], tmp_path / "ckpt")
+    (directory / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=r"missing config\.json in checkpoint directory"):
+        SafetensorsSource(directory)
+
+
+def test_directory_without_weights(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"no model\.safetensors or model\.safetensors\.index\.json"):
+        SafetensorsSource(tmp_path)
+
+
+def test_corrupt_file(single_dir, tmp_path):
+    directory = copy_checkpoint(single_dir[0], tmp_path / "ckpt")
+    data = (directory / "model.safetensors").read_bytes()
+    (directory / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"cannot read safetensors file .*model\.safetensors"):
+        SafetensorsSource(directory)
+
+
+def test_index_names_a_missing_file(sharded_dir, tmp_path):
+    directory = copy_checkpoint(sharded_dir[0], tmp_path / "ckpt")
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    lost = index["weight_map"]["model.norm.weight"]
+    (directory / lost).unlink()
+    with pytest.raises(CheckpointError, match=rf"missing file {lost} \(named in model\.safetensors\.index\.json\)"):
+        SafetensorsSource(directory)
+
+
+def test_index_entry_its_file_lacks(sharded_dir, tmp_path):
+    directory = copy_checkpoint(sharded_dir[0], tmp_path / "ckpt")
+    index_path = directory / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    files = sorted(set(index["weight_map"].values()))
+    wrong_file = next(f for f in files if f != index["weight_map"]["model.norm.weight"])
+    index["weight_map"]["model.norm.weight"] = wrong_file
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"tensor model\.norm\.weight: .* maps it to {wrong_file}, which does not contain it"):
+        SafetensorsSource(directory)
+
+
+def test_tensor_missing_from_index(sharded_dir, tmp_path):
+    directory = copy_checkpoint(sharded_dir[0], tmp_path / "ckpt")
+    index_path = directory / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    del index["weight_map"]["lm_head.weight"]
+    index_path.write_text(json.dumps(index))
+    model = sharded_module_tree(shapes_of(sharded_dir[1]), 2)
+    with pytest.raises(CheckpointError, match=r"missing tensor lm_head\.weight"):
+        load_weights(model, SafetensorsSource(directory), fake_rank_context(0, 2))
