@@ -148,7 +148,10 @@ def _tensor_problems(
     if shape != load.expected_shape:
         split = f", dim {dim} split over {world_size} ranks" if dim is not None and world_size > 1 else ""
         return [f"tensor {tensor}: checkpoint shape {shape} does not match the model's {load.expected_shape} (parameter {load.name}{split})"]
-    if source.dtype(tensor) != FP8_DTYPE:
+    stored = source.dtype(tensor)
+    if stored.is_floating_point and stored.itemsize == 1 and stored != FP8_DTYPE:
+        return [f"tensor {tensor}: stored as {stored}; only {FP8_DTYPE} block-quantized weights can be dequantized"]
+    if stored != FP8_DTYPE:
         return []
     scales = scale_name(tensor)
     if len(shape) != 2:

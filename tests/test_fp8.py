@@ -138,3 +138,11 @@ def test_scale_grid_of_wrong_shape_is_reported():
     with pytest.raises(CheckpointError, match=r"o_proj\.weight_scale_inv: shape \(2, 3\) does not match \(4, 10\)") as info:
         load_weights(model_for(2), DictSource(checkpoint, config=quantization_config((64, 32))), fake_rank_context(0, 2))
     assert len(info.value.problems) == len(FLOAT_SHAPES)
+
+
+def test_other_8_bit_float_formats_are_rejected():
+    _, checkpoint, _ = fp8_checkpoint((128, 128))
+    name = "model.layers.0.self_attn.o_proj.weight"
+    checkpoint[name] = checkpoint[name].to(torch.float8_e5m2)
+    with pytest.raises(CheckpointError, match=r"o_proj\.weight: stored as torch\.float8_e5m2; only torch\.float8_e4m3fn"):
+        load_weights(model_for(2), DictSource(checkpoint), fake_rank_context(0, 2))
