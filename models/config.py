@@ -1,0 +1,214 @@
+"""DeepSeek-V3 model configuration: the Hugging Face `config.json` fields the reference model uses.
+
+`ModelConfig` keeps DeepseekV3Config's field names so a config.json maps onto it one to one.
+It reads both rope spellings (old `rope_scaling` + `rope_theta`, transformers-5 `rope_parameters`),
+writes a dict DeepseekV3Config accepts, and says up front which tensor-parallel sizes fit.
+Only what the reference model implements is accepted (YaRN or no rope scaling, sigmoid routing,
+SiLU, no attention bias, MLA with every head its own key/value); anything else is a ValueError.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN rope scaling parameters, as in a checkpoint's `rope_scaling` / `rope_parameters`.
+
+    `mscale`, `mscale_all_dim` and `attention_factor` keep transformers' meaning, None included:
+    None means "absent from the config", which changes how the cos/sin factor is derived.
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def cos_sin_factor(self) -> float:
+        """Factor applied to the rotary cos/sin tables (transformers' `attention_factor`)."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+    def softmax_scale_factor(self) -> float:
+        """Factor applied to the attention softmax scale (DeepSeek's mscale_all_dim correction)."""
+        if not self.mscale_all_dim:
+            return 1.0
+        return yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature correction for a context extension of `scale`."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and hyper-parameters of a DeepSeek-V3-architecture model (DeepseekV3Config names).
+
+    Defaults are DeepseekV3Config's defaults, so a sparse config.json reads the same way
+    transformers reads it.
+    """
+
+    vocab_size: int = 129280
+    hidden_size: int = 7168
+    intermediate_size: int = 18432
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 61
+    num_attention_heads: int = 128
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 8
+    n_group: int = 8
+    topk_group: int = 4
+    first_k_dense_replace: int = 3
+    q_lora_rank: int | None = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: YarnScaling | None = None
+    routed_scaling_factor: float = 2.5
+    norm_topk_prob: bool = True
+    scoring_func: str = "sigmoid"
+    rope_interleave: bool = True
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.scoring_func != "sigmoid":
+            problems.append(f"scoring_func {self.scoring_func!r} (only 'sigmoid' is implemented)")
+        if self.hidden_act != "silu":
+            problems.append(f"hidden_act {self.hidden_act!r} (only 'silu' is implemented)")
+        if self.n_routed_experts % self.n_group:
+            problems.append(f"n_group {self.n_group} does not divide n_routed_experts {self.n_routed_experts}")
+        elif self.n_routed_experts // self.n_group < 2:
+            problems.append("each expert group needs at least 2 experts (group score = sum of its top 2)")
+        if not 1 <= self.topk_group <= self.n_group:
+            problems.append(f"topk_group {self.topk_group} must be in [1, n_group={self.n_group}]")
+        elif self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
+            problems.append("num_experts_per_tok exceeds the experts in the selected groups")
+        if self.qk_rope_head_dim % 2:
+            problems.append(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even")
+        if self.num_hidden_layers < 1:
+            problems.append(f"num_hidden_layers {self.num_hidden_layers} must be >= 1")
+        if problems:
+            raise ValueError("unsupported DeepSeek-V3 config: " + "; ".join(problems))
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head query/key width: the no-position part plus the rotary part."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """Attention logit scale: 1/sqrt(qk_head_dim), times YaRN's mscale_all_dim correction."""
+        scale = self.qk_head_dim**-0.5
+        return scale * self.rope_scaling.softmax_scale_factor() if self.rope_scaling else scale
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """True if decoder layer `layer_idx` has a mixture-of-experts block (else a dense MLP)."""
+        return layer_idx >= self.first_k_dense_replace
+
+    @property
+    def num_moe_layers(self) -> int:
+        """How many decoder layers have a mixture-of-experts block."""
+        return max(0, self.num_hidden_layers - self.first_k_dense_replace)
+
+    def check_tensor_parallel(self, world_size: int) -> None:
+        """Raise ValueError naming every dimension that `world_size` ranks cannot split evenly."""
+        dims = {"num_attention_heads": self.num_attention_heads, "vocab_size": self.vocab_size}
+        if self.first_k_dense_replace > 0:
+            dims["intermediate_size"] = self.intermediate_size
+        if self.num_moe_layers > 0:
+            dims["moe_intermediate_size"] = self.moe_intermediate_size
+        bad = [f"{name} ({size})" for name, size in dims.items() if size % world_size]
+        if bad:
+            raise ValueError(f"tensor parallel size {world_size} does not divide " + ", ".join(bad))
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Config from a Hugging Face config.json dict (old or transformers-5 rope spelling)."""
+        if hf.get("num_key_value_heads") not in (None, hf.get("num_attention_heads", cls.num_attention_heads)):
+            raise ValueError("MLA needs num_key_value_heads == num_attention_heads")
+        if hf.get("attention_bias"):
+            raise ValueError("attention_bias=True is not implemented")
+        if hf.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ValueError(f"topk_method {hf['topk_method']!r} is not implemented (only 'noaux_tc')")
+        names = {f.name for f in fields(cls)} - {"rope_theta", "rope_scaling"}
+        values = {name: hf[name] for name in names if name in hf}
+        rope_theta, rope_scaling = _read_rope(hf)
+        return cls(**values, rope_theta=rope_theta, rope_scaling=rope_scaling)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path) -> "ModelConfig":
+        """Config from `directory/config.json`."""
+        with open(Path(directory) / "config.json") as f:
+            return cls.from_hf_dict(json.load(f))
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A config.json dict that transformers' DeepseekV3Config reads back as this model.
+
+        Rope is written in both spellings (identical content) so transformers 4.x and 5.x agree.
+        """
+        hf = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "rope_scaling"}
+        if self.rope_scaling is None:
+            rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
+            rope_scaling = None
+        else:
+            yarn = {k: v for k, v in asdict(self.rope_scaling).items() if v is not None}
+            rope_parameters = {"rope_type": "yarn", "rope_theta": self.rope_theta, **yarn}
+            rope_scaling = {"type": "yarn", "rope_type": "yarn", **yarn}
+        hf.update(
+            model_type="deepseek_v3",
+            architectures=["DeepseekV3ForCausalLM"],
+            num_key_value_heads=self.num_attention_heads,
+            attention_bias=False,
+            topk_method="noaux_tc",
+            num_nextn_predict_layers=0,
+            rope_parameters=rope_parameters,
+            rope_scaling=rope_scaling,
+        )
+        return hf
+
+
+def _read_rope(hf: dict[str, Any]) -> tuple[float, YarnScaling | None]:
+    """(rope_theta, YaRN scaling or None) from either rope spelling of a config.json dict."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "yarn":
+        raise ValueError(f"rope type {rope_type!r} is not implemented (only 'yarn' or none)")
+    if params.get("factor") is None:
+        raise ValueError("yarn rope scaling needs a 'factor'")
+    return theta, YarnScaling(
+        factor=float(params["factor"]),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", hf.get("max_position_embeddings", 4096))
+        ),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        attention_factor=params.get("attention_factor"),
+        truncate=bool(params.get("truncate", True)),
+    )
