@@ -143,6 +143,48 @@ class ModelConfig:
         if bad:
             raise ValueError(f"tensor parallel size {world_size} does not divide " + ", ".join(bad))
 
+    def hf_tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every tensor in a Hugging Face checkpoint of this model (per-expert names).
+
+        Excludes what this model does not use: multi-token-prediction layers, rotary buffers, and
+        `lm_head.weight` when embeddings are tied.
+        """
+        hidden, heads = self.hidden_size, self.num_attention_heads
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, hidden)}
+        for i in range(self.num_hidden_layers):
+            layer = f"model.layers.{i}"
+            shapes[f"{layer}.input_layernorm.weight"] = (hidden,)
+            shapes[f"{layer}.post_attention_layernorm.weight"] = (hidden,)
+            attn = f"{layer}.self_attn"
+            if self.q_lora_rank is None:
+                shapes[f"{attn}.q_proj.weight"] = (heads * self.qk_head_dim, hidden)
+            else:
+                shapes[f"{attn}.q_a_proj.weight"] = (self.q_lora_rank, hidden)
+                shapes[f"{attn}.q_a_layernorm.weight"] = (self.q_lora_rank,)
+                shapes[f"{attn}.q_b_proj.weight"] = (heads * self.qk_head_dim, self.q_lora_rank)
+            shapes[f"{attn}.kv_a_proj_with_mqa.weight"] = (self.kv_lora_rank + self.qk_rope_head_dim, hidden)
+            shapes[f"{attn}.kv_a_layernorm.weight"] = (self.kv_lora_rank,)
+            shapes[f"{attn}.kv_b_proj.weight"] = (heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank)
+            shapes[f"{attn}.o_proj.weight"] = (hidden, heads * self.v_head_dim)
+            mlp = f"{layer}.mlp"
+            if not self.is_moe_layer(i):
+                shapes.update(_gated_mlp_shapes(mlp, hidden, self.intermediate_size))
+                continue
+            shapes[f"{mlp}.gate.weight"] = (self.n_routed_experts, hidden)
+            shapes[f"{mlp}.gate.e_score_correction_bias"] = (self.n_routed_experts,)
+            for e in range(self.n_routed_experts):
+                shapes.update(_gated_mlp_shapes(f"{mlp}.experts.{e}", hidden, self.moe_intermediate_size))
+            shared = self.moe_intermediate_size * self.n_shared_experts
+            shapes.update(_gated_mlp_shapes(f"{mlp}.shared_experts", hidden, shared))
+        shapes["model.norm.weight"] = (hidden,)
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (self.vocab_size, hidden)
+        return shapes
+
+    def num_parameters(self) -> int:
+        """Total parameter count of the model (all ranks together, no multi-token prediction)."""
+        return sum(math.prod(shape) for shape in self.hf_tensor_shapes().values())
+
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
         """Config from a Hugging Face config.json dict (old or transformers-5 rope spelling)."""
@@ -212,3 +254,12 @@ def _read_rope(hf: dict[str, Any]) -> tuple[float, YarnScaling | None]:
         attention_factor=params.get("attention_factor"),
         truncate=bool(params.get("truncate", True)),
     )
+
+
+def _gated_mlp_shapes(prefix: str, hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:
+    """Checkpoint shapes of one SwiGLU block's gate/up/down projections under `prefix`."""
+    return {
+        f"{prefix}.gate_proj.weight": (intermediate, hidden),
+        f"{prefix}.up_proj.weight": (intermediate, hidden),
+        f"{prefix}.down_proj.weight": (hidden, intermediate),
+    }
