@@ -146,3 +146,66 @@ def test_other_8_bit_float_formats_are_rejected():
     checkpoint[name] = checkpoint[name].to(torch.float8_e5m2)
     with pytest.raises(CheckpointError, match=r"o_proj\.weight: stored as torch\.float8_e5m2; only torch\.float8_e4m3fn"):
         load_weights(model_for(2), DictSource(checkpoint), fake_rank_context(0, 2))
+
+
+# ---- end to end: our tp=2 model from an FP8 checkpoint vs transformers on the dequantized weights ----
+
+#: Block size for the tiny end-to-end model: smaller than its dims and not dividing them, so that
+#: weights have several blocks, partial last blocks, and tp=2 slices that start inside a block.
+E2E_BLOCK = (24, 24)
+
+
+def fp8_model_checkpoints(tmp_path):
+    """Write a tiny HF DeepSeek-V3 as an FP8 checkpoint (every 2-D projection block-quantized) and
+    as a float32 checkpoint of exactly the dequantized weights; returns both directories."""
+    from checkpoint_helpers import save_tiny_hf_checkpoint
+
+    float_dir, fp8_dir, dequant_dir = tmp_path / "float", tmp_path / "fp8", tmp_path / "dequant"
+    full = save_tiny_hf_checkpoint(float_dir)
+    config = json.loads((float_dir / "config.json").read_text())
+    fp8, dequantized = {}, {}
+    for name, tensor in full.items():
+        if name.endswith("_proj.weight"):
+            quantized, scale_inv = quantize_blocks(tensor, E2E_BLOCK)
+            fp8[name], fp8[name + "_scale_inv"] = quantized, scale_inv
+            dequantized[name] = independent_dequant(quantized, scale_inv, E2E_BLOCK)
+        else:
+            fp8[name] = dequantized[name] = tensor
+    for directory, tensors, extra in ((fp8_dir, fp8, quantization_config(E2E_BLOCK)), (dequant_dir, dequantized, {})):
+        directory.mkdir()
+        save_file(tensors, directory / "model.safetensors")
+        (directory / "config.json").write_text(json.dumps({**config, **extra}))
+    return fp8_dir, dequant_dir
+
+
+def _fp8_logits_on_rank(ctx, directory, input_ids):
+    """Rank body: our model from the FP8 checkpoint, prefill logits for `input_ids` (as numpy: a
+    torch tensor would travel back as shared memory that dies with the rank's process)."""
+    from fxfuse.models.config import ModelConfig
+    from fxfuse.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+    batch, length = input_ids.shape
+    model = DeepseekV3ForCausalLM(
+        ModelConfig.from_pretrained(directory), ctx, dtype=torch.float32, device="cpu", max_batch=batch, max_seq_len=length
+    )
+    with SafetensorsSource(directory) as source:
+        load_weights(model, source, ctx)
+    with torch.no_grad():
+        return model(input_ids, torch.arange(length).expand(batch, length)).numpy()
+
+
+@pytest.mark.slow
+def test_fp8_checkpoint_tp2_matches_transformers_on_dequantized_weights(tmp_path):
+    from transformers import DeepseekV3ForCausalLM as HFDeepseekV3
+
+    from fxfuse.launch import run_on_ranks
+
+    fp8_dir, dequant_dir = fp8_model_checkpoints(tmp_path)
+    input_ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    ours = run_on_ranks(_fp8_logits_on_rank, 2, fp8_dir, input_ids)
+    reference = HFDeepseekV3.from_pretrained(dequant_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = reference(input_ids).logits.float()
+    for logits in map(torch.from_numpy, ours):
+        assert logits.shape == expected.shape
+        assert (logits - expected).abs().max() / expected.abs().max() <= 1e-4

@@ -256,3 +256,22 @@ def test_tensor_missing_from_index(sharded_dir, tmp_path):
     model = sharded_module_tree(shapes_of(sharded_dir[1]), 2)
     with pytest.raises(CheckpointError, match=r"missing tensor lm_head\.weight"):
         load_weights(model, SafetensorsSource(directory), fake_rank_context(0, 2))
+
+
+# ---- the reference model's parameter names and tags against a real HF checkpoint ----
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_reference_model_loads_hf_checkpoint(tmp_path, tied, world_size):
+    from fxfuse.models.config import ModelConfig
+    from fxfuse.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+    full = save_tiny_hf_checkpoint(tmp_path, tie_word_embeddings=tied)
+    assert ("lm_head.weight" in full) != tied
+    with SafetensorsSource(tmp_path) as source:
+        for rank in range(world_size):
+            ctx = fake_rank_context(rank, world_size)
+            model = DeepseekV3ForCausalLM(ModelConfig.from_pretrained(tmp_path), ctx, dtype=torch.float32, max_seq_len=16)
+            load_weights(model, source, ctx)
+            assert_loaded(model, full, rank, world_size)
