@@ -1,0 +1,87 @@
+"""The fused collective+norm op: `torch.ops.fxfuse.allreduce_residual_rmsnorm`.
+
+Schema (fixed by docs/ARCHITECTURE.md):
+`allreduce_residual_rmsnorm(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name)
+-> (Tensor normed, Tensor residual_out)`.
+
+Semantics, with `dtype = x.dtype` (residual and weight have that dtype too; the passes only fuse
+such sites):
+- `reduced = all_reduce_sum(x)` over the process group named `group_name`, in `dtype`;
+- `residual_out = reduced + residual` rounded to `dtype` (just `reduced` when residual is None);
+- `normed = weight * (h * rsqrt(mean(h**2, -1) + eps)).to(dtype)` with `h = residual_out` in
+  float32: the norm runs in float32, is cast back to `dtype`, THEN multiplied by the weight in
+  `dtype` (the Hugging Face transformers order, which the reference model uses). Where the matched
+  model applied the weight in float32 before casting back (`F.rms_norm`), the fused result can differ
+  from the unfused one by one rounding step of `dtype`; in float32 both orders are the same.
+
+The CPU kernel (gloo) is the reference. The CUDA kernel lives in `fxfuse.cuda_allreduce_norm`, which
+is imported only when a CUDA tensor reaches the op. The fake kernel makes the op traceable with
+symbolic token counts. Both outputs are fresh tensors: they never alias an input.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+OP_NAME = "fxfuse::allreduce_residual_rmsnorm"
+
+torch.library.define(
+    OP_NAME,
+    "(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name) -> (Tensor normed, Tensor residual_out)",
+)
+
+
+def resolve_group(group_name: str) -> dist.ProcessGroup:
+    """The process group registered under `group_name` (the name functional collectives carry)."""
+    return _resolve_process_group(group_name)
+
+
+def add_rmsnorm(
+    reduced: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add in the input dtype, then RMSNorm in float32 cast back and scaled by `weight`.
+
+    Returns `(normed, residual_out)`; `reduced` is the already all-reduced activation. This is the
+    reference arithmetic every kernel of the fused op must reproduce.
+    """
+    residual_out = reduced if residual is None else reduced + residual
+    hidden = residual_out.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    normed = (hidden * torch.rsqrt(variance + eps)).to(residual_out.dtype)
+    return weight * normed, residual_out
+
+
+@torch.library.register_kernel(OP_NAME, "cpu")
+def _allreduce_residual_rmsnorm_cpu(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, group_name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference kernel: gloo all-reduce of a copy of `x`, then `add_rmsnorm`."""
+    reduced = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=resolve_group(group_name))
+    return add_rmsnorm(reduced, residual, weight, eps)
+
+
+@torch.library.register_kernel(OP_NAME, "cuda")
+def _allreduce_residual_rmsnorm_cuda(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, group_name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA kernel: delegates to `fxfuse.cuda_allreduce_norm` (imported on first CUDA call)."""
+    from fxfuse.cuda_allreduce_norm import allreduce_residual_rmsnorm_cuda
+
+    return allreduce_residual_rmsnorm_cuda(x, residual, weight, eps, group_name)
+
+
+@torch.library.register_fake(OP_NAME)
+def _allreduce_residual_rmsnorm_fake(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, group_name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shapes only: both outputs are new tensors shaped and typed like `x` (works with SymInts)."""
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(
+        x, memory_format=torch.contiguous_format
+    )
+
+
+# The fused op's overload, as it appears as the target of nodes in FX graphs.
+allreduce_residual_rmsnorm = torch.ops.fxfuse.allreduce_residual_rmsnorm.default
