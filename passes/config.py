@@ -1,0 +1,31 @@
+"""Which rewrites the fxfuse passes may apply: the pattern names and `PassConfig`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MERGE_ALLREDUCE = "merge_allreduce"
+"""Pattern 3: `all_reduce(a) + all_reduce(b)` on one group becomes `all_reduce(a + b)`."""
+ALLREDUCE_RESIDUAL_RMSNORM = "allreduce_residual_rmsnorm"
+"""Pattern 1: all_reduce -> residual add -> RMSNorm becomes the fused op."""
+ALLREDUCE_RMSNORM = "allreduce_rmsnorm"
+"""Pattern 2: all_reduce -> RMSNorm (no residual) becomes the fused op with residual=None."""
+
+PATTERNS = (MERGE_ALLREDUCE, ALLREDUCE_RESIDUAL_RMSNORM, ALLREDUCE_RMSNORM)
+
+
+@dataclass(frozen=True)
+class PassConfig:
+    """The set of enabled pattern names (all of `PATTERNS` by default); unknown names raise."""
+
+    patterns: frozenset[str] = frozenset(PATTERNS)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "patterns", frozenset(self.patterns))
+        unknown = sorted(self.patterns - set(PATTERNS))
+        if unknown:
+            raise ValueError(f"unknown fxfuse pattern(s) {unknown}; known: {list(PATTERNS)}")
+
+    def enabled(self, pattern: str) -> bool:
+        """Whether the pattern called `pattern` may be rewritten."""
+        return pattern in self.patterns
