@@ -1,0 +1,173 @@
+"""The `fxfuse` torch.compile backend: fusion passes on the post-grad graph, then Inductor or eager.
+
+`torch.compile(model, backend="fxfuse")` resolves to `fxfuse_backend` through the
+`torch_dynamo_backends` entry point, with no import of fxfuse. A configured `FxfuseBackend` object can
+be passed instead: `torch.compile(model, backend=FxfuseBackend(inner="eager", patterns=...))`.
+
+Data path: dynamo graph -> AOT autograd (functional ATen, Inductor's decompositions) -> the passes
+(`merge_allreduce`, then `allreduce_rmsnorm_fusion`) -> the inner compiler. With `inner="inductor"`
+the passes run as Inductor's `post_grad_custom_post_pass`; with `inner="eager"` they run on the AOT
+forward graph after the same no-op removal Inductor's post-grad passes do first, and the graph runs
+as is. Every pass run is recorded on the backend object (`records`): the graph before and after, and
+`FusionStats`. The rewrite depends only on the graph, so every rank makes the same decisions.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from fxfuse.graph_diff import GraphSnapshot, render_diff, snapshot
+from fxfuse.ops import allreduce_residual_rmsnorm
+from fxfuse.passes import allreduce_rmsnorm_fusion, merge_allreduce
+from fxfuse.passes.config import PATTERNS, PassConfig
+
+INNER_COMPILERS = ("inductor", "eager")
+
+
+@dataclass(frozen=True)
+class FusionStats:
+    """What one pass run found and did.
+
+    `allreduces_before`/`allreduces_after`: all-reduce nodes in the graph before/after the passes;
+    `merged`: pairs merged by pattern 3; `fused_with_residual`/`fused_without_residual`: fused-op
+    sites of pattern 1/2 in the rewritten graph.
+    """
+
+    allreduces_before: int
+    merged: int
+    fused_with_residual: int
+    fused_without_residual: int
+    allreduces_after: int
+
+    @property
+    def fused(self) -> int:
+        """All fused sites (patterns 1 and 2)."""
+        return self.fused_with_residual + self.fused_without_residual
+
+
+@dataclass(frozen=True)
+class CompileRecord:
+    """One pass run: the graph before and after, and its stats."""
+
+    before: GraphSnapshot
+    after: GraphSnapshot
+    stats: FusionStats
+
+    def diff(self) -> str:
+        """Readable diff of the graph before and after the passes."""
+        return render_diff(self.before, self.after)
+
+
+ALL_REDUCE_OP = "_c10d_functional.all_reduce"
+
+
+def fusion_stats(graph: torch.fx.Graph, before: GraphSnapshot, after: GraphSnapshot, merged: int) -> FusionStats:
+    """Stats of one pass run from the snapshots around it and the rewritten graph."""
+    fused_sites = graph.find_nodes(op="call_function", target=allreduce_residual_rmsnorm)
+    without_residual = sum(1 for node in fused_sites if node.args[1] is None)
+    return FusionStats(
+        allreduces_before=before.op_counts[ALL_REDUCE_OP],
+        merged=merged,
+        fused_with_residual=len(fused_sites) - without_residual,
+        fused_without_residual=without_residual,
+        allreduces_after=after.op_counts[ALL_REDUCE_OP],
+    )
+
+
+class _PostGradFusionPass(CustomGraphPass):
+    """The fxfuse rewrite as Inductor's `post_grad_custom_post_pass`.
+
+    `uuid()` is None, which turns Inductor's FX graph cache off for graphs compiled with it: a cache
+    hit would skip the pass, so nothing would be recorded for that compile.
+    """
+
+    def __init__(self, rewrite: Callable[[torch.fx.Graph], None]) -> None:
+        self._rewrite = rewrite
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self._rewrite(graph)
+
+    def uuid(self) -> None:
+        return None
+
+
+class FxfuseBackend:
+    """A configured fxfuse backend: pass it as `torch.compile(..., backend=FxfuseBackend(...))`.
+
+    inner: "inductor" (default) or "eager" (no code generation: fast, for tests).
+    patterns: names from `fxfuse.passes.config.PATTERNS` to enable (all by default).
+    dump_dir: if set, each pass run writes `graph_<n>[_rank<r>].{before,after,diff}.txt` there.
+    After compiling, `records` holds one `CompileRecord` per pass run, in order.
+    """
+
+    def __init__(
+        self, inner: str = "inductor", patterns: Iterable[str] = PATTERNS, dump_dir: str | os.PathLike | None = None
+    ) -> None:
+        if inner not in INNER_COMPILERS:
+            raise ValueError(f"unknown inner compiler {inner!r}; choose one of {INNER_COMPILERS}")
+        self.inner = inner
+        self.config = PassConfig(frozenset(patterns))
+        self.dump_dir = Path(dump_dir) if dump_dir is not None else None
+        self.records: list[CompileRecord] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        """Compile a dynamo graph: AOT autograd, the fusion passes, then the inner compiler."""
+        if self.inner == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(
+                gm, example_inputs, config_patches={"post_grad_custom_post_pass": _PostGradFusionPass(self.rewrite)}
+            )
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._inductor.decomposition import select_decomp_table
+
+        compile_eager = aot_autograd(
+            fw_compiler=self._compile_eager_graph,
+            decompositions=select_decomp_table(),
+            keep_inference_input_mutations=True,
+        )
+        return compile_eager(gm, example_inputs)
+
+    def _compile_eager_graph(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        """AOT graph -> Inductor's no-op removal -> the passes -> run the graph eagerly."""
+        from functorch.compile import make_boxed_func
+        from torch._inductor.fx_passes.post_grad import remove_noop_ops
+
+        remove_noop_ops(gm.graph)
+        self.rewrite(gm.graph)
+        gm.recompile()
+        return make_boxed_func(gm.forward)
+
+    def rewrite(self, graph: torch.fx.Graph) -> None:
+        """Run the enabled passes on a post-grad graph in place and record what they did."""
+        before = snapshot(graph)
+        merged = merge_allreduce.run(graph, self.config)
+        allreduce_rmsnorm_fusion.run(graph, self.config)
+        after = snapshot(graph)
+        record = CompileRecord(before=before, after=after, stats=fusion_stats(graph, before, after, merged))
+        self.records.append(record)
+        if self.dump_dir is not None:
+            self._dump(record, len(self.records) - 1)
+
+    def _dump(self, record: CompileRecord, index: int) -> None:
+        """Write the record's graphs and diff under `dump_dir` (one file set per rank)."""
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        rank = f"_rank{dist.get_rank()}" if dist.is_initialized() else ""
+        stem = self.dump_dir / f"graph_{index:03d}{rank}"
+        Path(f"{stem}.before.txt").write_text(record.before.text())
+        Path(f"{stem}.after.txt").write_text(record.after.text())
+        Path(f"{stem}.diff.txt").write_text(f"{record.stats}\n\n{record.diff()}")
+
+
+def fxfuse_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    """The `backend="fxfuse"` entry point: `FxfuseBackend()` with defaults (Inductor, all patterns)."""
+    return FxfuseBackend()(gm, example_inputs)
