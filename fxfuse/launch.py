@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -71,8 +72,8 @@ def _rank_main(rank, world_size, device, port, timeout_s, fn, args, queue):
     try:
         torch.manual_seed(0)
         ctx = init_rank(rank, world_size, device, port, timeout_s)
-        result = fn(ctx, *args)
-        queue.put((rank, True, result))
+        # plain pickle (not the queue's shared-memory reducer): tensors in the result must outlive this process
+        queue.put((rank, True, pickle.dumps(fn(ctx, *args))))
     except BaseException as exc:  # noqa: BLE001 - report every failure to the parent instead of hanging it
         queue.put((rank, False, (f"{type(exc).__name__}: {exc}", traceback.format_exc())))
     finally:
@@ -89,7 +90,8 @@ def run_on_ranks(
 ) -> list[Any]:
     """Call `fn(ctx, *args)` on `world_size` ranks and return the results in rank order.
 
-    `fn` must be picklable (a module-level function) and return picklable values. Under torchrun
+    `fn` must be picklable (a module-level function) and return picklable values (tensors are
+    copied back, not shared). Under torchrun
     the current process is one rank: it runs `fn` once and returns a one-element list with its
     own result (only rank 0 needs to report). Raises `RankFailed` if any rank raised.
     """
@@ -119,7 +121,7 @@ def run_on_ranks(
             if not ok:
                 error, traceback_text = payload
                 raise RankFailed(f"rank {rank} failed:\n{traceback_text}", rank, error, traceback_text)
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
     finally:
         for p in procs:
             p.join(timeout=5)
