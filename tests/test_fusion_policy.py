@@ -1,0 +1,245 @@
+"""CPU tests of the fused-or-fallback decision, the thresholds table and the settings parser."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from fxfuse.fusion_policy import (
+    FusionDecision,
+    FusionMode,
+    FusionProblem,
+    FusionSettings,
+    decide,
+    feasible_modes,
+    flashinfer_prefers_oneshot,
+    settings_from_env,
+)
+from fxfuse.thresholds import (
+    DEFAULT_PATH,
+    ENV_THRESHOLDS,
+    ThresholdEntry,
+    ThresholdsError,
+    ThresholdTable,
+    TokenRange,
+    load_thresholds,
+    read_table,
+    write_table,
+)
+
+H200 = "NVIDIA H200"
+AUTO = FusionSettings()
+
+
+def problem(**changes) -> FusionProblem:
+    """A fusable problem (H200, tp=2, bf16, hidden 7168, 32 tokens, 512-token workspace), changed."""
+    base = FusionProblem(
+        sm=90, world_size=2, dtype=torch.bfloat16, hidden_size=7168, num_tokens=32,
+        workspace_max_tokens=512, weight_dtype=torch.bfloat16, residual_dtype=torch.bfloat16,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def entry(ranges, gpu=H200, world_size=2, hidden_size=7168, dtype="bfloat16") -> ThresholdEntry:
+    return ThresholdEntry(gpu, world_size, hidden_size, dtype,
+                          tuple(TokenRange(n, FusionMode(m)) for n, m in ranges), source="test")
+
+
+# --- every fallback branch -------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "changes, settings, reason_part",
+    [
+        ({}, FusionSettings(enabled=False), "disabled"),
+        ({"world_size": 1}, AUTO, "world size 1"),
+        ({"world_size": 3}, AUTO, "world size 3"),
+        ({"world_size": 32}, AUTO, "world size 32"),
+        ({"dtype": torch.float32, "weight_dtype": torch.float32, "residual_dtype": torch.float32}, AUTO, "dtype"),
+        ({"weight_dtype": torch.float32}, AUTO, "norm weight dtype"),
+        ({"residual_dtype": torch.float16}, AUTO, "residual dtype"),
+        ({"sm": 80}, AUTO, "sm_80"),
+        ({"sm": 120}, AUTO, "sm_120"),
+        ({"hidden_size": 7170}, AUTO, "multiple of 8"),
+        ({"hidden_size": 8 * 8 * 1024 + 8}, AUTO, "too large"),
+        ({"num_tokens": 0}, AUTO, "no tokens"),
+        ({"num_tokens": 513}, AUTO, "exceed the workspace"),
+    ],
+)
+def test_unsupported_problems_fall_back(changes, settings, reason_part):
+    decision = decide(problem(**changes), settings)
+    assert decision.mode is FusionMode.FALLBACK and not decision.fused
+    assert reason_part in decision.reason
+
+
+def test_supported_arches_and_dtypes_fuse():
+    for sm in (90, 100, 103):
+        assert decide(problem(sm=sm), AUTO).fused
+    fp16 = problem(dtype=torch.float16, weight_dtype=torch.float16, residual_dtype=torch.float16)
+    assert decide(fp16, AUTO).fused
+    assert decide(problem(residual_dtype=None), AUTO).fused  # no residual: fused with a zero residual
+    assert decide(problem(sm=120), FusionSettings(supported_sm_majors=(9, 10, 12))).fused
+
+
+def test_fp16_alignment_uses_its_element_size():
+    assert decide(problem(hidden_size=4104), AUTO).fused  # 4104 = 513 * 8 elements of 2 bytes
+    assert not decide(problem(hidden_size=4100), AUTO).fused
+
+
+# --- one-shot / two-shot without a table: FlashInfer's heuristic ---------------------------
+
+def test_flashinfer_heuristic_boundaries():
+    # tp=8, hidden 7168, bf16: 7168*2*8*2 bytes = 0.21875 MiB per token; 42 MiB -> 192 tokens.
+    tp8 = dict(world_size=8, workspace_max_tokens=2048)
+    assert flashinfer_prefers_oneshot(problem(num_tokens=192, **tp8))
+    assert not flashinfer_prefers_oneshot(problem(num_tokens=193, **tp8))
+    assert decide(problem(num_tokens=192, **tp8), AUTO) == FusionDecision(FusionMode.ONESHOT, "FlashInfer heuristic")
+    assert decide(problem(num_tokens=193, **tp8), AUTO) == FusionDecision(FusionMode.TWOSHOT, "FlashInfer heuristic")
+    # tp=16 is not in FlashInfer's table: the kernel's 128-token one-shot limit applies.
+    tp16 = dict(world_size=16, workspace_max_tokens=2048)
+    assert decide(problem(num_tokens=128, **tp16), AUTO).mode is FusionMode.ONESHOT
+    assert decide(problem(num_tokens=129, **tp16), AUTO).mode is FusionMode.TWOSHOT
+
+
+def test_two_shot_needs_more_tokens_than_ranks():
+    assert feasible_modes(problem(num_tokens=2)) == (FusionMode.ONESHOT,)
+    assert feasible_modes(problem(num_tokens=3)) == (FusionMode.ONESHOT, FusionMode.TWOSHOT)
+    forced = decide(problem(num_tokens=2), FusionSettings(force_mode=FusionMode.TWOSHOT))
+    assert forced.mode is FusionMode.ONESHOT and "cannot run here" in forced.reason
+    assert decide(problem(num_tokens=3), FusionSettings(force_mode=FusionMode.TWOSHOT)).mode is FusionMode.TWOSHOT
+
+
+def test_one_shot_limited_by_lamport_buffer_size():
+    # 16 ranks * 2 bytes * 65536 hidden * 1024 tokens = 2 GiB > FlashInfer's one-shot limit.
+    big = problem(world_size=16, hidden_size=65536, num_tokens=1024, workspace_max_tokens=1024)
+    assert feasible_modes(big) == (FusionMode.TWOSHOT,)
+    assert decide(big, FusionSettings(force_mode=FusionMode.ONESHOT)).mode is FusionMode.TWOSHOT
+
+
+def test_forced_mode_overrides_table():
+    table_entry = entry([(1024, "twoshot")])
+    decision = decide(problem(), FusionSettings(force_mode=FusionMode.ONESHOT), table_entry)
+    assert decision == FusionDecision(FusionMode.ONESHOT, "forced by settings")
+
+
+# --- thresholds table -------------------------------------------------------------------------
+
+def test_table_entry_ranges_decide():
+    table_entry = entry([(16, "oneshot"), (256, "twoshot"), (512, "fallback")])
+    modes = {n: decide(problem(num_tokens=n), AUTO, table_entry).mode for n in (1, 16, 17, 256, 257, 512)}
+    assert modes == {1: FusionMode.ONESHOT, 16: FusionMode.ONESHOT, 17: FusionMode.TWOSHOT,
+                     256: FusionMode.TWOSHOT, 257: FusionMode.FALLBACK, 512: FusionMode.FALLBACK}
+    beyond = entry([(64, "oneshot")])
+    decision = decide(problem(num_tokens=65), AUTO, beyond)
+    assert decision.mode is FusionMode.FALLBACK and "unfused is faster at 65 tokens" in decision.reason
+
+
+def test_table_lookup_keys():
+    table = ThresholdTable({e.key(): e for e in [entry([(64, "oneshot")]), entry([(8, "oneshot")], hidden_size=4096)]})
+    assert table.lookup("nvidia  h200", 2, 7168, torch.bfloat16).ranges[0].max_tokens == 64
+    assert table.lookup(H200, 2, 4096, "torch.bfloat16").ranges[0].max_tokens == 8
+    assert table.lookup(H200, 4, 7168, torch.bfloat16) is None
+    assert table.lookup(H200, 2, 7168, torch.float16) is None
+    assert table.lookup("NVIDIA H100 80GB HBM3", 2, 7168, torch.bfloat16) is None
+
+
+def test_entry_ranges_must_increase():
+    with pytest.raises(ValueError, match="strictly increasing"):
+        entry([(64, "oneshot"), (64, "twoshot")])
+    with pytest.raises(ValueError):
+        entry([])
+
+
+def test_default_table_is_valid_and_empty():
+    assert read_table(DEFAULT_PATH).entries == {}
+
+
+def test_override_file_by_path_and_env(tmp_path, monkeypatch):
+    path = tmp_path / "t.json"
+    e = entry([(32, "oneshot"), (128, "twoshot")])
+    write_table(ThresholdTable({e.key(): e}), path, "test")
+    assert json.loads(path.read_text())["entries"][0]["ranges"][1] == {"max_tokens": 128, "mode": "twoshot"}
+
+    by_path = load_thresholds(path, environ={})
+    assert by_path.lookup(H200, 2, 7168, torch.bfloat16) == e
+    monkeypatch.setenv(ENV_THRESHOLDS, str(path))
+    assert load_thresholds(environ=os.environ).lookup(H200, 2, 7168, torch.bfloat16) == e
+    assert load_thresholds(environ={}).lookup(H200, 2, 7168, torch.bfloat16) is None
+
+
+def test_override_replaces_same_key_only():
+    old, other = entry([(8, "oneshot")]), entry([(8, "oneshot")], world_size=4)
+    new = entry([(99, "twoshot")])
+    merged = ThresholdTable({old.key(): old, other.key(): other}).merged(ThresholdTable({new.key(): new}))
+    assert merged.lookup(H200, 2, 7168, "bfloat16") == new
+    assert merged.lookup(H200, 4, 7168, "bfloat16") == other
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("not json", "cannot read thresholds file"),
+        ('{"entries": []}', "not a thresholds file"),
+        ('{"format": "fxfuse-thresholds/1", "entries": [{"gpu": "x"}]}', "entry 0 is malformed"),
+        ('{"format": "fxfuse-thresholds/1", "entries": [{"gpu": "x", "world_size": 2, "hidden_size": 8, '
+         '"dtype": "bfloat16", "ranges": [{"max_tokens": 4, "mode": "sometimes"}]}]}', "entry 0 is malformed"),
+    ],
+)
+def test_bad_override_files_name_the_file(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ThresholdsError, match=message) as info:
+        load_thresholds(path, environ={})
+    assert "bad.json" in str(info.value)
+    with pytest.raises(ThresholdsError, match="cannot read"):
+        load_thresholds(tmp_path / "missing.json", environ={})
+
+
+# --- settings ---------------------------------------------------------------------------------
+
+def test_settings_from_env():
+    assert settings_from_env({}) == FusionSettings()
+    assert settings_from_env({"FXFUSE_FUSION": "off"}).enabled is False
+    assert settings_from_env({"FXFUSE_FUSION": "TwoShot"}).force_mode is FusionMode.TWOSHOT
+    assert settings_from_env({"FXFUSE_MAX_TOKENS": "2048"}).max_tokens == 2048
+    with pytest.raises(ValueError, match="FXFUSE_FUSION"):
+        settings_from_env({"FXFUSE_FUSION": "fast"})
+    with pytest.raises(ValueError, match="FXFUSE_MAX_TOKENS"):
+        settings_from_env({"FXFUSE_MAX_TOKENS": "0"})
+    with pytest.raises(ValueError, match="force_mode"):
+        FusionSettings(force_mode=FusionMode.FALLBACK)
+
+
+# --- ranks agree ------------------------------------------------------------------------------
+
+def test_problem_has_no_per_rank_field():
+    fields = {f.name for f in dataclasses.fields(FusionProblem)}
+    assert fields == {"sm", "world_size", "dtype", "hidden_size", "num_tokens", "workspace_max_tokens",
+                      "weight_dtype", "residual_dtype"}
+
+
+def test_decision_depends_only_on_its_arguments(monkeypatch):
+    """Two 'ranks' with different rank env, device and RNG state decide identically on a grid."""
+    grid = [
+        problem(sm=sm, world_size=ws, num_tokens=n, hidden_size=h, workspace_max_tokens=m)
+        for sm in (80, 90, 100) for ws in (1, 2, 4, 8, 16) for n in (0, 1, 2, 3, 8, 9, 64, 193, 2048, 4096)
+        for h in (4096, 7168, 7170) for m in (512, 2048)
+    ]
+    table_entry = entry([(16, "oneshot"), (600, "twoshot")])
+    settings = [AUTO, FusionSettings(force_mode=FusionMode.TWOSHOT), FusionSettings(enabled=False)]
+
+    def decisions_as_rank(rank: int):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", str(rank))
+        random.seed(rank)
+        torch.manual_seed(rank)
+        return [decide(p, s, e) for p in grid for s in settings for e in (None, table_entry)]
+
+    rank0, rank1 = decisions_as_rank(0), decisions_as_rank(1)
+    assert rank0 == rank1
+    assert {d.mode for d in rank0} == set(FusionMode)  # the grid reaches every branch
