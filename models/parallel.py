@@ -13,6 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+# torch >= 2.13 renamed all_gather_tensor (now a deprecated alias) to all_gather_single.
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
 
 @dataclass(frozen=True)
 class ParallelContext:
@@ -53,6 +56,6 @@ class ParallelContext:
         """Concatenate every rank's `x` along the last dimension (rank order); identity for one rank."""
         if self.world_size == 1:
             return x
-        gathered = funcol.all_gather_tensor(x.contiguous(), gather_dim=0, group=self.group)
+        gathered = _all_gather(x.contiguous(), 0, self.group)
         chunks = gathered.chunk(self.world_size, dim=0)
         return torch.cat(chunks, dim=-1)

@@ -1,0 +1,104 @@
+"""Command-line interface: `fxfuse run` (and `python -m fxfuse run`).
+
+Each subcommand validates its input before starting any process and exits non-zero with a
+one-line message on bad input or a failed rank (the full traceback is printed only with
+`--verbose`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from fxfuse.launch import RankFailed
+
+RUN_DESCRIPTION = """\
+Run a tensor-parallel DeepSeek-V3: prefill a random prompt, then greedy speculative-verify steps
+of --tokens tokens per sequence, and print a summary. With no arguments: the tiny preset with
+deterministic random weights, tensor parallel over 2 CPU processes (gloo), eager backend.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the `fxfuse` command, with all subcommands."""
+    parser = argparse.ArgumentParser(prog="fxfuse", description=__doc__.splitlines()[0])
+    parser.add_argument("--verbose", action="store_true", help="print full tracebacks on failure")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_run_parser(commands)
+    return parser
+
+
+def _add_run_parser(commands) -> None:
+    from fxfuse.models.runner import BACKENDS, COMPARE_TARGETS, DTYPES, RunOptions
+
+    d = RunOptions()
+    p = commands.add_parser("run", help="run the model (default: tiny preset, tp=2 on CPU)", description=RUN_DESCRIPTION)
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--preset", default=None, help=f"built-in model config: tiny, deepseek-v3, kimi-k2 (default: {d.preset})")
+    source.add_argument("--checkpoint", metavar="DIR", help="Hugging Face DeepSeek-V3-format checkpoint directory")
+    p.add_argument("--layers", type=int, default=None, metavar="N", help="keep full width but only the first N layers")
+    p.add_argument("--tp", type=int, default=d.tp, help=f"tensor parallel size = number of processes (default {d.tp})")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=d.device, help="cpu (gloo) or cuda (NCCL, one GPU per rank)")
+    p.add_argument("--backend", choices=BACKENDS, default=d.backend, help=f"how the step is compiled (default {d.backend})")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=d.dtype, help=f"weights and activations (default {d.dtype})")
+    p.add_argument("--batch", type=int, default=d.batch, help=f"sequences per step (default {d.batch})")
+    p.add_argument("--prompt-len", type=int, default=d.prompt_len, help=f"prompt tokens per sequence (default {d.prompt_len})")
+    p.add_argument("--tokens", type=int, default=d.tokens_per_step, dest="tokens_per_step",
+                   help=f"tokens per sequence in each decode/verify step (default {d.tokens_per_step})")
+    p.add_argument("--steps", type=int, default=d.steps, help=f"decode/verify steps after the prefill (default {d.steps})")
+    p.add_argument("--compare", choices=COMPARE_TARGETS, default=d.compare,
+                   help="check logits of every step against: the eager model, or transformers' DeepseekV3ForCausalLM")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the random weights and prompt")
+    p.add_argument("--json", metavar="PATH", help="also write the summary as JSON to PATH")
+    p.set_defaults(handler=_run_command)
+
+
+def _run_command(args) -> int:
+    from fxfuse.models.runner import RunOptions, run
+
+    preset = args.preset if (args.preset or args.checkpoint) else RunOptions().preset
+    options = RunOptions(
+        preset=preset, checkpoint=args.checkpoint, layers=args.layers, tp=args.tp, device=args.device,
+        backend=args.backend, dtype=args.dtype, batch=args.batch, prompt_len=args.prompt_len,
+        tokens_per_step=args.tokens_per_step, steps=args.steps, compare=args.compare, seed=args.seed,
+    )
+    summary = run(options)
+    print(format_run_summary(summary))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0
+
+
+def format_run_summary(summary: dict) -> str:
+    """A few human-readable lines for a run summary dict."""
+    err = summary["max_rel_err"]
+    step = summary["step_ms"]
+    lines = [
+        f"model {summary['model']} ({summary['layers']} layers), tp={summary['tp']} on {summary['device']}, "
+        f"backend {summary['backend']}, {summary['dtype']}",
+        f"batch {summary['batch']}, prompt {summary['prompt_len']}, {summary['steps']} steps of "
+        f"{summary['tokens_per_step']} tokens: step {'-' if step is None else f'{step:.2f} ms'} (median)",
+        f"tokens (sequence 0): {summary['tokens']}",
+    ]
+    if summary["compare"] != "none":
+        lines.append(f"max relative error vs {summary['compare']}: {err:.3e}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `fxfuse` command; returns the process exit code."""
+    from fxfuse.models.run_setup import RunError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (RunError, ValueError) as exc:
+        print(f"fxfuse: error: {exc}", file=sys.stderr)
+        return 2
+    except RankFailed as exc:
+        print(f"fxfuse: error: rank {exc.rank} failed: {exc.error}", file=sys.stderr)
+        if args.verbose:
+            print(exc.traceback, file=sys.stderr)
+        return 1

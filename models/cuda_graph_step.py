@@ -1,0 +1,59 @@
+"""Replay a model step from CUDA graphs captured once per step-width bucket.
+
+`CudaGraphStep(step, batch, widths, device)` captures `step(input_ids, positions)` for each
+width (tokens per sequence) in `widths` into its own `torch.cuda.CUDAGraph` with static input
+buffers; calling it copies the inputs into the buffers of the matching width and replays. Widths
+without a graph run the step uncaptured. Capture must happen before real tokens are in the KV
+cache: the warm-up and capture calls write the cache at positions 0..width-1, which the prefill
+overwrites.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+
+#: Default widths (tokens per sequence per step) that get their own graph.
+DEFAULT_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class CudaGraphStep:
+    """A model step that replays captured CUDA graphs for the widths it was captured for."""
+
+    def __init__(
+        self,
+        step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        batch: int,
+        widths: Iterable[int],
+        device: torch.device,
+        warmup: int = 2,
+    ):
+        self.step = step
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        for width in sorted(set(widths)):
+            ids = torch.zeros(batch, width, dtype=torch.long, device=device)
+            positions = torch.arange(width, device=device).expand(batch, -1).contiguous()
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(warmup):
+                    step(ids, positions)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = step(ids, positions)
+            self.graphs[width] = (graph, ids, positions, out)
+        torch.cuda.synchronize(device)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Run one step: replay the graph for this width (returns its static output) or run uncaptured."""
+        entry = self.graphs.get(input_ids.shape[1])
+        if entry is None or entry[1].shape[0] != input_ids.shape[0]:
+            return self.step(input_ids, positions)
+        graph, ids, pos, out = entry
+        ids.copy_(input_ids)
+        pos.copy_(positions)
+        graph.replay()
+        return out

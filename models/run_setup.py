@@ -1,0 +1,205 @@
+"""Validation and construction for the runner: what `fxfuse run` checks before any rank starts.
+
+`prepare_run(options)` turns command-line options into a `RunSetup` (resolved config, weight
+source, model name) or raises `RunError` with a message that names the problem: unknown preset,
+unreadable checkpoint, tp size that does not divide the model, CUDA asked where there is none,
+more GPUs asked than present, bad backend or dtype. `RunSetup` then builds the model and the
+comparison reference on each rank.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, replace
+
+import torch
+
+from fxfuse.models.config import ModelConfig
+from fxfuse.models.deepseek_v3 import DeepseekV3ForCausalLM
+from fxfuse.models.parallel import ParallelContext
+from fxfuse.models.presets import PRESETS, get_preset
+from fxfuse.models.random_weights import init_random_shards, random_hf_state_dict
+from fxfuse.models.weights import DictSource, SafetensorsSource, load_weights
+
+#: Above this many parameters, random weights are generated per shard (not as one full state dict).
+FULL_RANDOM_STATE_LIMIT = 500_000_000
+
+
+class RunError(ValueError):
+    """A run that cannot start: bad option, model or machine; the message says which."""
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """A validated run: the options, the model config and where the weights come from."""
+
+    options: object
+    config: ModelConfig
+    model_name: str
+    full_random_state: bool
+
+    @property
+    def max_seq_len(self) -> int:
+        """KV-cache length: the prompt plus every verify step, with one step of slack."""
+        o = self.options
+        return o.prompt_len + (o.steps + 1) * o.tokens_per_step + 1
+
+    def build_model(self, ctx: ParallelContext, device: torch.device) -> DeepseekV3ForCausalLM:
+        """This rank's shard of the model, weights loaded (checkpoint or deterministic random)."""
+        o = self.options
+        model = DeepseekV3ForCausalLM(
+            self.config, ctx, dtype=_dtype(o.dtype), device=device, max_batch=o.batch, max_seq_len=self.max_seq_len
+        )
+        if o.checkpoint:
+            load_weights(model, SafetensorsSource(o.checkpoint), ctx)
+        elif self.full_random_state:
+            load_weights(model, DictSource(random_hf_state_dict(self.config, o.seed)), ctx)
+        else:
+            init_random_shards(model, o.seed, ctx)
+        return model.eval()
+
+    def build_reference(self, ctx: ParallelContext, device: torch.device):
+        """The `--compare` target on this rank: an eager copy of the model, or transformers' model."""
+        if self.options.compare == "eager":
+            return EagerReference(self.build_model(ctx, device))
+        return HuggingFaceReference(self, ctx.rank == 0)
+
+
+def prepare_run(options) -> RunSetup:
+    """Validate `options` and resolve the model config; raises RunError naming the problem."""
+    from fxfuse.models.runner import BACKENDS, COMPARE_TARGETS, DTYPES
+
+    _check_choice("backend", options.backend, BACKENDS)
+    _check_choice("compare", options.compare, COMPARE_TARGETS)
+    _check_choice("dtype", options.dtype, DTYPES)
+    _check_choice("device", options.device, ("cpu", "cuda"))
+    for name, flag in (("tp", "--tp"), ("batch", "--batch"), ("prompt_len", "--prompt-len"), ("tokens_per_step", "--tokens")):
+        if getattr(options, name) < 1:
+            raise RunError(f"{flag} must be at least 1 (got {getattr(options, name)})")
+    if options.steps < 0:
+        raise RunError(f"--steps must be >= 0 (got {options.steps})")
+    _check_device(options.device, options.tp)
+    if bool(options.checkpoint) == bool(options.preset):
+        raise RunError("give exactly one of --preset NAME or --checkpoint DIR")
+    if options.checkpoint:
+        config, name = _checkpoint_config(options.checkpoint), os.path.abspath(options.checkpoint)
+        if options.layers is not None:
+            config = replace(config, num_hidden_layers=_check_layers(options.layers, config.num_hidden_layers))
+    else:
+        if options.preset not in PRESETS:
+            raise RunError(f"unknown preset {options.preset!r}; choose one of: {', '.join(PRESETS)}")
+        config, name = get_preset(options.preset, layers=options.layers), options.preset
+    try:
+        config.check_tensor_parallel(options.tp)
+    except ValueError as exc:
+        raise RunError(str(exc)) from exc
+    full_random = not options.checkpoint and config.num_parameters() <= FULL_RANDOM_STATE_LIMIT
+    if options.compare == "hf" and not (options.checkpoint or full_random):
+        raise RunError(f"--compare hf needs a checkpoint or a model under {FULL_RANDOM_STATE_LIMIT:,} parameters")
+    return RunSetup(options=options, config=config, model_name=name, full_random_state=full_random)
+
+
+def _dtype(name: str) -> torch.dtype:
+    from fxfuse.models.runner import DTYPES
+
+    return DTYPES[name]
+
+
+def _check_choice(what: str, value, choices) -> None:
+    if value not in choices:
+        raise RunError(f"unknown {what} {value!r}; choose one of: {', '.join(choices)}")
+
+
+def _check_device(device: str, tp: int) -> None:
+    if device != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise RunError("--device cuda was asked for, but this machine has no CUDA GPU (use --device cpu)")
+    present = torch.cuda.device_count()
+    if tp > present:
+        raise RunError(f"--tp {tp} needs {tp} GPUs (one process per GPU), but only {present} are present")
+
+
+def _check_layers(layers: int, available: int) -> int:
+    if not 1 <= layers <= available:
+        raise RunError(f"--layers must be between 1 and {available} (got {layers})")
+    return layers
+
+
+def _checkpoint_config(directory: str) -> ModelConfig:
+    if not os.path.isdir(directory):
+        raise RunError(f"checkpoint directory {directory!r} does not exist")
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        raise RunError(f"checkpoint directory {directory!r} has no config.json")
+    try:
+        return ModelConfig.from_pretrained(directory)
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        raise RunError(f"cannot read {path}: {exc}") from exc
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected|, in float64."""
+    actual, expected = actual.double(), expected.double()
+    return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
+
+
+class EagerReference:
+    """`--compare eager`: the same weights run without compilation, step for step."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    @torch.inference_mode()
+    def relative_error(self, input_ids, positions, logits) -> float:
+        """Error of `logits` against the eager model fed the same step."""
+        device = next(self.model.parameters()).device
+        expected = self.model(input_ids.to(device), positions.to(device)).float().cpu()
+        return relative_error(logits, expected)
+
+
+class HuggingFaceReference:
+    """`--compare hf`: transformers' DeepseekV3ForCausalLM on the same weights, on rank 0 only.
+
+    It recomputes every step from the whole token history (no cache), so it also checks our
+    KV cache. Other ranks hold nothing and report None.
+    """
+
+    def __init__(self, setup: RunSetup, active: bool):
+        self.model = _load_transformers_model(setup) if active else None
+        o = setup.options
+        self.history = torch.zeros(o.batch, setup.max_seq_len, dtype=torch.long)
+
+    @torch.inference_mode()
+    def relative_error(self, input_ids, positions, logits) -> float | None:
+        """Error of `logits` against transformers over each sequence's full history."""
+        self.history.scatter_(1, positions, input_ids)
+        if self.model is None:
+            return None
+        worst = 0.0
+        for b in range(input_ids.shape[0]):
+            length = int(positions[b].max()) + 1
+            expected = self.model(input_ids=self.history[b : b + 1, :length]).logits[0, positions[b]]
+            worst = max(worst, relative_error(logits[b], expected))
+        return worst
+
+
+def _load_transformers_model(setup: RunSetup):
+    from safetensors.torch import save_file
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM as HFDeepseekV3
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+    o = setup.options
+    kwargs = {"dtype": torch.float32, "attn_implementation": "eager"}
+    if o.checkpoint:
+        hf_config = DeepseekV3Config.from_pretrained(o.checkpoint)
+        hf_config.num_hidden_layers = setup.config.num_hidden_layers
+        return HFDeepseekV3.from_pretrained(o.checkpoint, config=hf_config, **kwargs).eval()
+    with tempfile.TemporaryDirectory() as directory:
+        DeepseekV3Config(**setup.config.to_hf_dict()).save_pretrained(directory)
+        state = {k: v.contiguous() for k, v in random_hf_state_dict(setup.config, o.seed).items()}
+        save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+        return HFDeepseekV3.from_pretrained(directory, **kwargs).eval()
