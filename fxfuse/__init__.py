@@ -6,3 +6,18 @@ graph passes and `fxfuse.models` a reference tensor-parallel DeepSeek-V3.
 """
 
 __version__ = "0.1.0"
+
+#: Public names loaded on first access, so `import fxfuse` never imports CUDA code or FlashInfer.
+_LAZY_EXPORTS = {
+    "prepare": "fxfuse.flashinfer_fusion",
+    "destroy_workspaces": "fxfuse.flashinfer_fusion",
+}
+
+
+def __getattr__(name: str):
+    """Resolve the lazily exported names (`fxfuse.prepare`, `fxfuse.destroy_workspaces`)."""
+    if name in _LAZY_EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY_EXPORTS[name]), name)
+    raise AttributeError(f"module 'fxfuse' has no attribute {name!r}")
