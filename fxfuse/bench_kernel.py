@@ -1,0 +1,357 @@
+"""`fxfuse bench kernel`: the fused all-reduce + residual + RMSNorm op against unfused, per token count.
+
+Variants (each checked against an fp32 reference, then timed by CUDA-graph replay):
+  fused-oneshot / fused-twoshot   FlashInfer's TensorRT-LLM kernel through fxfuse.flashinfer_fusion
+  nccl+inductor                   NCCL all-reduce, then add + RMSNorm compiled by Inductor
+  nccl+flashinfer-norm            NCCL all-reduce, then FlashInfer's fused_add_rmsnorm
+Defaults: tokens 1, 2, 4, ..., 2048; hidden 7168 and 4096; bf16. A timing is the median over
+replays of a graph of --graph-iters calls, in microseconds per call, on the slowest rank.
+
+Launch with `torchrun --nproc-per-node N -m fxfuse.bench_kernel`, or `fxfuse bench kernel
+--world-size N`, which spawns N ranks over the visible GPUs. With fewer GPUs than ranks the
+ranks share GPUs over gloo: NCCL cannot do that, so the unfused variants run eagerly with a gloo
+all-reduce and are only checked, and the fused timings are labelled not meaningful (the GPU
+time-slices the ranks). Results go to --out-dir (JSON, markdown, PNG); --write-thresholds also
+writes a thresholds table derived from the medians (refused when timings are not meaningful).
+Exit status 1 if any check exceeds the error tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import os
+import platform
+import shlex
+import statistics
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from fxfuse.bench_kernel_report import FUSED_MODES, VARIANTS, derive_thresholds, markdown, write_report
+from fxfuse.launch import run_on_ranks, under_torchrun
+
+DEFAULT_TOKENS = tuple(2**i for i in range(12))  # 1 .. 2048
+DEFAULT_HIDDEN = (7168, 4096)
+EPS = 1e-6
+TOLERANCE = 2e-2  # relative L2 error vs fp32; bf16 rounding alone gives about 3e-3
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What one benchmark run measures (identical on all ranks)."""
+
+    tokens: tuple[int, ...]
+    hidden_sizes: tuple[int, ...]
+    dtype: str
+    repeats: int
+    graph_iters: int
+    variants: tuple[str, ...]
+    seed: int = 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parse `fxfuse bench kernel` arguments."""
+    p = argparse.ArgumentParser(prog="fxfuse bench kernel", description=__doc__.splitlines()[0])
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks to spawn (default: visible GPUs, at least 2); ignored under torchrun")
+    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma-separated token counts")
+    p.add_argument("--hidden", default=",".join(map(str, DEFAULT_HIDDEN)), help="comma-separated hidden sizes")
+    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {', '.join(VARIANTS)}")
+    p.add_argument("--repeats", type=int, default=None, help="timed replays per point (default 50, 5 when sharing GPUs)")
+    p.add_argument("--graph-iters", type=int, default=20, help="calls captured in one CUDA graph")
+    p.add_argument("--out-dir", type=Path, default=Path("bench/results"), help="where result files go")
+    p.add_argument("--write-thresholds", type=Path, metavar="PATH",
+                   help="also write (merge into) a thresholds file derived from the medians")
+    args = p.parse_args(argv)
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        p.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark (spawning ranks or joining torchrun), write the reports, return the exit status."""
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("fxfuse bench kernel needs CUDA GPUs", file=sys.stderr)
+        return 2
+    gpus = torch.cuda.device_count()
+    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (args.world_size or max(gpus, 2))
+    share_gpus = world_size > gpus
+    config = BenchConfig(
+        tokens=tuple(int(t) for t in args.tokens.split(",")),
+        hidden_sizes=tuple(int(h) for h in args.hidden.split(",")),
+        dtype=args.dtype,
+        repeats=args.repeats or (5 if share_gpus else 50),
+        graph_iters=args.graph_iters,
+        variants=tuple(v for v in VARIANTS if v in args.variants.split(",")),
+    )
+    results = run_on_ranks(bench_rank, world_size, config, device="cpu" if share_gpus else "cuda")
+    report = results[0]
+    if report is None:  # a non-zero torchrun rank: rank 0 reports
+        return 0
+    report["command"] = shlex.join(["fxfuse", "bench", "kernel", *(argv if argv is not None else sys.argv[1:])])
+    for path in write_report(report, args.out_dir):
+        print(f"wrote {path}")
+    print(markdown(report))
+    if args.write_thresholds:
+        _write_thresholds(report, args.write_thresholds)
+    if report["max_rel_err"] > TOLERANCE:
+        print(f"FAILED: relative error {report['max_rel_err']:.2e} above {TOLERANCE:.0e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _write_thresholds(report: dict, path: Path) -> None:
+    from fxfuse.thresholds import ThresholdTable, read_table, write_table
+
+    try:
+        derived = derive_thresholds(report)
+    except ValueError as exc:
+        print(f"no thresholds written: {exc}", file=sys.stderr)
+        return
+    table = read_table(path) if path.exists() else ThresholdTable()
+    write_table(table.merged(derived), path, "written by fxfuse bench kernel --write-thresholds")
+    print(f"wrote thresholds for {len(derived.entries)} hidden size(s) to {path}")
+
+
+def bench_rank(ctx, config: BenchConfig) -> dict | None:
+    """One rank's part: measure every (hidden, tokens, variant); rank 0 returns the report."""
+    from fxfuse import flashinfer_fusion
+
+    share_gpus = "gloo" in str(dist.get_backend(ctx.group))
+    if share_gpus:
+        torch.cuda.set_device(ctx.rank % torch.cuda.device_count())
+    dtype = getattr(torch, config.dtype)
+    bench = _RankBench(ctx, config, dtype, share_gpus)
+    rows = []
+    for hidden in config.hidden_sizes:
+        fused_ready = flashinfer_fusion.prepare(ctx.group, hidden, dtype, max(config.tokens))
+        for tokens in config.tokens:
+            rows += bench.measure_point(hidden, tokens, fused_ready)
+    flashinfer_fusion.destroy_workspaces(ctx.group)
+    if ctx.rank != 0:
+        return None
+    return _report(config, ctx.world_size, share_gpus, rows, flashinfer_fusion.fusion_stats())
+
+
+@dataclass(frozen=True)
+class _Runs:
+    """A variant's correctness call (fresh inputs) and its timed call (None: not timed)."""
+
+    check: Callable
+    timed: Callable | None = None
+
+
+class _RankBench:
+    """Inputs, reference, variant callables and timing for one rank."""
+
+    def __init__(self, ctx, config: BenchConfig, dtype: torch.dtype, share_gpus: bool):
+        self.ctx, self.config, self.dtype, self.share_gpus = ctx, config, dtype, share_gpus
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.compiled_add_rmsnorm: tuple[int, Callable] | None = None
+
+    def measure_point(self, hidden: int, tokens: int, fused_ready: bool) -> list[dict]:
+        """Check and time every variant at one (hidden, tokens); rows identical on all ranks."""
+        inputs = self._inputs(hidden, tokens)
+        reference = _fp32_reference(*inputs)
+        rows = []
+        for variant in self.config.variants:
+            row = {"hidden": hidden, "tokens": tokens, "variant": variant, "status": "ok",
+                   "median_us": None, "rel_err_normed": 0.0, "rel_err_residual": 0.0, "note": ""}
+            runs = self._variant(variant, inputs, fused_ready)
+            if isinstance(runs, str):
+                row.update(status="n/a", note=runs)
+                rows.append(row)
+                continue
+            normed, residual_out = runs.check()
+            err_n, err_r = _rel_err(normed, reference[0]), _rel_err(residual_out, reference[1])
+            median = self._time(runs.timed) if runs.timed is not None else -1.0
+            worst = self._max_over_ranks([err_n, err_r, median])
+            row.update(rel_err_normed=worst[0], rel_err_residual=worst[1],
+                       median_us=worst[2] if worst[2] >= 0 else None,
+                       status="ok" if max(worst[:2]) <= TOLERANCE else "failed")
+            if runs.timed is None:
+                row["note"] = "checked only: NCCL cannot run ranks that share a GPU"
+            rows.append(row)
+        return rows
+
+    def _inputs(self, hidden: int, tokens: int):
+        """(this rank's x, every rank's x, residual, weight): deterministic, same on every rank."""
+        def randn(*shape, salt):
+            g = torch.Generator().manual_seed(zlib.crc32(repr((self.config.seed, hidden, tokens, salt)).encode()))
+            return torch.randn(*shape, generator=g).to(self.device, self.dtype)
+
+        xs = [randn(tokens, hidden, salt=r) for r in range(self.ctx.world_size)]
+        residual = randn(tokens, hidden, salt="residual")
+        weight = (1 + 0.1 * randn(hidden, salt="weight").float()).to(self.dtype)
+        return xs[self.ctx.rank].clone(), xs, residual, weight
+
+    def _variant(self, variant: str, inputs, fused_ready: bool) -> "_Runs | str":
+        """How to check and time one variant on static inputs, or why it cannot run here."""
+        x, _, residual, weight = inputs
+        if variant in FUSED_MODES:
+            return self._fused_runs(variant, x, residual, weight, fused_ready)
+        add_norm = self._inductor_add_rmsnorm(x.shape[1]) if variant == "nccl+inductor" else _flashinfer_add_rmsnorm
+        group = self.ctx.group
+        if self.share_gpus:
+            return _Runs(check=lambda: add_norm(_gloo_all_reduce(x.clone(), group), residual.clone(), weight))
+
+        def check():
+            reduced = x.clone()
+            dist.all_reduce(reduced, group=group)
+            return add_norm(reduced, residual.clone(), weight)
+
+        work_x, work_residual = x.clone(), residual.clone()
+
+        def timed():  # in place on static buffers, as a model reduces its matmul output
+            dist.all_reduce(work_x, group=group)
+            return add_norm(work_x, work_residual, weight)
+        return _Runs(check, timed)
+
+    def _fused_runs(self, variant, x, residual, weight, fused_ready) -> "_Runs | str":
+        from fxfuse.flashinfer_fusion import try_allreduce_residual_rmsnorm
+        from fxfuse.fusion_policy import FusionProblem, FusionSettings, feasible_modes
+
+        if not fused_ready:
+            return "fused workspace unavailable (see the log)"
+        mode = FUSED_MODES[variant]
+        tokens, hidden = x.shape
+        problem = FusionProblem(0, self.ctx.world_size, x.dtype, hidden, tokens, tokens, x.dtype, x.dtype)
+        if mode not in feasible_modes(problem):
+            return f"{mode.value} cannot run {tokens} tokens on {self.ctx.world_size} ranks"
+        settings = FusionSettings(force_mode=mode, max_tokens=max(self.config.tokens))
+
+        def call():
+            out = try_allreduce_residual_rmsnorm(x, residual, weight, EPS, self.ctx.group.group_name, settings)
+            if out is None:
+                raise RuntimeError(f"{variant} fell back at {tokens} tokens, hidden {hidden}")
+            return out
+        return _Runs(call, call)
+
+    def _inductor_add_rmsnorm(self, hidden: int) -> Callable:
+        """add_rmsnorm compiled by Inductor, recompiled per hidden size (token count dynamic)."""
+        if self.compiled_add_rmsnorm is None or self.compiled_add_rmsnorm[0] != hidden:
+            torch._dynamo.reset()  # fresh automatic-dynamic state, so only the token count turns dynamic
+            self.compiled_add_rmsnorm = (hidden, torch.compile(add_rmsnorm))
+        return self.compiled_add_rmsnorm[1]
+
+    def _time(self, call: Callable) -> float:
+        """Median µs per call over CUDA-graph replays of graph_iters calls."""
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(self.config.graph_iters):
+                call()
+        graph.replay()
+        torch.cuda.synchronize()
+        dist.barrier(group=self.ctx.group)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        samples = []
+        for _ in range(self.config.repeats):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1000 / self.config.graph_iters)
+        del graph
+        return statistics.median(samples)
+
+    def _max_over_ranks(self, values: list[float]) -> list[float]:
+        from fxfuse.workspace import collective_device
+
+        t = torch.tensor(values, dtype=torch.float64, device=collective_device(self.ctx.group))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctx.group)
+        return t.tolist()
+
+
+def add_rmsnorm(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = EPS):
+    """Unfused reference math (as transformers writes RMSNorm): (weight * rmsnorm(y + residual), y + residual)."""
+    residual_out = y + residual
+    h = residual_out.float()
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(y.dtype), residual_out
+
+
+def _flashinfer_add_rmsnorm(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor):
+    """FlashInfer's fused_add_rmsnorm, in place: residual <- y + residual, y <- rmsnorm(residual) * weight."""
+    from flashinfer.norm import fused_add_rmsnorm
+
+    fused_add_rmsnorm(y, residual, weight, EPS)
+    return y, residual
+
+
+def _gloo_all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    host = x.cpu()
+    dist.all_reduce(host, group=group)
+    return host.to(x.device)
+
+
+def _fp32_reference(x, xs, residual, weight):
+    residual_out = torch.stack([t.float() for t in xs]).sum(0) + residual.float()
+    normed = residual_out * torch.rsqrt(residual_out.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()
+    return normed, residual_out
+
+
+def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected).norm() / expected.norm()).item()
+
+
+def _versions() -> dict[str, str]:
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": str(torch.version.cuda)}
+    for dist_name in ("flashinfer-python", "apache-tvm-ffi"):
+        try:
+            versions[dist_name] = importlib.metadata.version(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist_name] = "not installed"
+    try:
+        versions["fxfuse"] = importlib.metadata.version("fxfuse")
+    except importlib.metadata.PackageNotFoundError:
+        from fxfuse import __version__
+
+        versions["fxfuse"] = f"{__version__} (source tree)"
+    if dist.is_nccl_available():
+        versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return versions
+
+
+def _report(config: BenchConfig, world_size: int, share_gpus: bool, rows: list[dict], stats: dict) -> dict:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    checked = [max(r["rel_err_normed"], r["rel_err_residual"]) for r in rows if r["status"] != "n/a"]
+    return {
+        "benchmark": "fxfuse bench kernel",
+        "date": now.isoformat(timespec="seconds"),
+        "stamp": now.strftime("%Y%m%d-%H%M%S"),
+        "command": "",
+        "gpu": torch.cuda.get_device_name(),
+        "world_size": world_size,
+        "ranks_share_gpu": share_gpus,
+        "timings_meaningful": not share_gpus,
+        "timing_note": (f"{world_size} ranks time-slice {torch.cuda.device_count()} GPU(s); "
+                        "run for correctness only") if share_gpus else "",
+        "versions": _versions(),
+        "dtype": config.dtype,
+        "tokens": list(config.tokens),
+        "hidden_sizes": list(config.hidden_sizes),
+        "graph_iters": config.graph_iters,
+        "repeats": config.repeats,
+        "tolerance": TOLERANCE,
+        "max_rel_err": max(checked, default=0.0),
+        "fused_calls_rank0": {" ".join(map(str, k)): n for k, n in stats["fused"].items()},
+        "fallback_calls_rank0": stats["fallback"],
+        "results": rows,
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
