@@ -11,8 +11,10 @@ OUT=${OUT:-/tmp/fxfuse-gpu}
 mkdir -p "$OUT"
 status=0
 
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+if [ ! -d /tmp/site/flashinfer ]; then  # the device command may have installed them already
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+fi
+case ":${PYTHONPATH:-}:" in *:/tmp/site:*) ;; *) export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} ;; esac
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
   || { echo "editable install of fxfuse failed:"; cat "$OUT/install.log"; exit 1; }
 
