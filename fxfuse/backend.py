@@ -7,22 +7,24 @@ be passed instead: `torch.compile(model, backend=FxfuseBackend(inner="eager", pa
 Data path: dynamo graph -> AOT autograd (functional ATen, Inductor's decompositions) -> the passes
 (`merge_allreduce`, then `allreduce_rmsnorm_fusion`) -> the inner compiler. With `inner="inductor"`
 the passes run as Inductor's `post_grad_custom_post_pass`; with `inner="eager"` they run on the AOT
-forward graph after the same no-op removal Inductor's post-grad passes do first, and the graph runs
-as is. Every pass run is recorded on the backend object (`records`): the graph before and after, and
-`FusionStats`. The rewrite depends only on the graph, so every rank makes the same decisions.
+forward graph after the clean-ups Inductor does before that point, and the graph then runs as is. Every pass run is recorded on the backend object (`records`): the graph before and after, and
+`FusionStats`; the same numbers are summed into `torch._dynamo.utils.counters["fxfuse"]`, for
+compiles made through the `backend="fxfuse"` entry point. The rewrite depends only on the graph, so
+every rank makes the same decisions.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.fx
+from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from fxfuse.graph_diff import GraphSnapshot, render_diff, snapshot
@@ -31,6 +33,7 @@ from fxfuse.passes import allreduce_rmsnorm_fusion, merge_allreduce
 from fxfuse.passes.config import PATTERNS, PassConfig
 
 INNER_COMPILERS = ("inductor", "eager")
+ALL_REDUCE_OP = "_c10d_functional.all_reduce"
 
 
 @dataclass(frozen=True)
@@ -65,9 +68,6 @@ class CompileRecord:
     def diff(self) -> str:
         """Readable diff of the graph before and after the passes."""
         return render_diff(self.before, self.after)
-
-
-ALL_REDUCE_OP = "_c10d_functional.all_reduce"
 
 
 def fusion_stats(graph: torch.fx.Graph, before: GraphSnapshot, after: GraphSnapshot, merged: int) -> FusionStats:
@@ -138,23 +138,31 @@ class FxfuseBackend:
         return compile_eager(gm, example_inputs)
 
     def _compile_eager_graph(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        """AOT graph -> Inductor's no-op removal -> the passes -> run the graph eagerly."""
+        """AOT graph -> the clean-ups Inductor runs before post-grad custom passes -> passes -> eager.
+
+        The clean-ups (joint-graph passes such as pointless-view removal, then no-op removal) make
+        the graph the passes see here the one they see under Inductor.
+        """
         from functorch.compile import make_boxed_func
+        from torch._inductor.fx_passes.joint_graph import joint_graph_passes
         from torch._inductor.fx_passes.post_grad import remove_noop_ops
 
+        joint_graph_passes(gm)
         remove_noop_ops(gm.graph)
         self.rewrite(gm.graph)
         gm.recompile()
         return make_boxed_func(gm.forward)
 
     def rewrite(self, graph: torch.fx.Graph) -> None:
-        """Run the enabled passes on a post-grad graph in place and record what they did."""
+        """Run the enabled passes on a post-grad graph in place; record and count what they did."""
         before = snapshot(graph)
         merged = merge_allreduce.run(graph, self.config)
         allreduce_rmsnorm_fusion.run(graph, self.config)
         after = snapshot(graph)
         record = CompileRecord(before=before, after=after, stats=fusion_stats(graph, before, after, merged))
         self.records.append(record)
+        for name, value in asdict(record.stats).items():
+            counters["fxfuse"][name] += value
         if self.dump_dir is not None:
             self._dump(record, len(self.records) - 1)
 

@@ -1,0 +1,305 @@
+"""Patterns 1 and 2 on toy graphs: exact fused counts for every spelling, and every negative case.
+
+Single process with a fake process group (graph shape only; its all-reduce returns the input
+unchanged, so the rewritten graph can still be run and compared with the eager program).
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from toy_graphs import (
+    DECODER_EPS,
+    RMSNORMS,
+    GraphCapture,
+    compile_and_run,
+    decoder_inputs,
+    fake_process_group,
+    funcol_all_reduce,
+    inplace_all_reduce,
+    post_grad_graph,
+    rmsnorm_functional,
+    rmsnorm_transformers,
+    toy_decoder,
+)
+
+from fxfuse.graph_diff import op_counts, snapshot
+from fxfuse.ops import allreduce_residual_rmsnorm
+from fxfuse.passes import allreduce_rmsnorm_fusion
+from fxfuse.passes.config import PATTERNS, PassConfig
+
+FUSED = "fxfuse.allreduce_residual_rmsnorm"
+UNFUSED_OPS = ("_c10d_functional.all_reduce", "_c10d_functional.wait_tensor", "aten.rsqrt", "aten.mean", "aten.pow")
+#: Spellings that multiply by the weight after the cast back, as the fused op does: bit-identical.
+WEIGHT_AFTER_CAST = ("transformers", "weight_on_right")
+
+
+@pytest.fixture(scope="module")
+def group():
+    with fake_process_group() as world:
+        yield world
+
+
+def fused_sites(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return list(gm.graph.find_nodes(op="call_function", target=allreduce_residual_rmsnorm))
+
+
+def assert_meta_matches_propagation(gm: torch.fx.GraphModule) -> None:
+    """Every node's recorded meta['val'] equals what fake-tensor propagation computes now."""
+    recorded = {node: node.meta.get("val") for node in gm.graph.nodes if node.op == "call_function"}
+    inputs = [node.meta["val"] for node in gm.graph.find_nodes(op="placeholder")]
+    FakeTensorProp(gm, torch._guards.detect_fake_mode(inputs)).propagate_dont_convert_inputs(*inputs)
+
+    def signature(value):
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        return [(str(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for v in values]
+
+    for node, value in recorded.items():
+        assert value is not None, f"{node} has no meta['val']"
+        assert signature(value) == signature(node.meta["val"]), node
+
+
+def rewrite_unchanged(fn, *args) -> None:
+    """Assert the pass finds nothing in fn's graph and leaves it exactly as it was."""
+    gm = post_grad_graph(fn, *args)
+    before = snapshot(gm.graph)
+    assert allreduce_rmsnorm_fusion.run(gm.graph, PassConfig()) == 0
+    assert snapshot(gm.graph).lines == before.lines
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("norm", list(RMSNORMS))
+def test_every_decoder_site_fused(group, dtype, norm):
+    """Embedding (no residual), attention and MLP (both `+` orders, both spellings), last layer."""
+    decoder = functools.partial(toy_decoder, group=group, norm=RMSNORMS[norm])
+    inputs = decoder_inputs(dtype)
+    backend, fused_out = compile_and_run(decoder, *inputs, backend=GraphCapture(patterns=PATTERNS))
+    ((gm,), (record,)) = backend.graphs, backend.records
+    assert record.before.op_counts["_c10d_functional.all_reduce"] == 4
+    assert (record.stats.fused_without_residual, record.stats.fused_with_residual) == (1, 3)
+
+    gm.graph.lint()
+    counts = op_counts(gm.graph)
+    assert counts[FUSED] == 4
+    assert all(counts[op] == 0 for op in UNFUSED_OPS), counts
+    sites = fused_sites(gm)
+    assert [site.args[1] is None for site in sites] == [True, False, False, False]
+    # each later site's residual is the previous site's residual_out: the add result was redirected
+    for previous, site in zip(sites, sites[1:]):
+        residual = site.args[1]
+        assert residual.target is operator.getitem
+        assert residual.args == (previous, 1)
+    # F.rms_norm hands eps to the graph rounded to float32
+    assert [site.args[3] for site in sites] == pytest.approx(DECODER_EPS, rel=1e-7)
+    assert {site.args[4] for site in sites} == {group.group_name}
+    assert_meta_matches_propagation(gm)
+
+    if norm in WEIGHT_AFTER_CAST or dtype == torch.float32:  # the others: test_weight_in_fp32_rounding
+        exact = dtype != torch.float32
+        torch.testing.assert_close(fused_out, decoder(*inputs), rtol=0 if exact else 1e-5, atol=0 if exact else 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("norm", sorted(set(RMSNORMS) - set(WEIGHT_AFTER_CAST)))
+def test_weight_in_fp32_rounding(group, dtype, norm):
+    """Where the model multiplies by the weight in fp32 before casting back, the fused op (weight
+    after the cast) may round differently: at most one rounding step of the dtype per element."""
+
+    def site(x, res, w):
+        h = funcol_all_reduce(x, group) + res
+        return RMSNORMS[norm](h, w, 1e-6), h
+
+    inputs = [torch.randn(64, 32, dtype=dtype), torch.randn(64, 32, dtype=dtype), torch.randn(32, dtype=dtype)]
+    backend, (normed, residual_out) = compile_and_run(site, *inputs)
+    assert backend.records[0].stats.fused == 1
+    expected_normed, expected_residual = site(*inputs)
+    torch.testing.assert_close(residual_out, expected_residual, rtol=0, atol=0)
+    torch.testing.assert_close(normed, expected_normed, rtol=2 * torch.finfo(dtype).eps, atol=0)
+
+
+def test_run_reports_the_sites_it_rewrote(group):
+    decoder = functools.partial(toy_decoder, group=group, norm=rmsnorm_transformers)
+    gm = post_grad_graph(decoder, *decoder_inputs(torch.float32))
+    assert allreduce_rmsnorm_fusion.run(gm.graph, PassConfig()) == 4
+    assert allreduce_rmsnorm_fusion.run(gm.graph, PassConfig()) == 0
+
+
+def test_plain_norm_of_reduced_value(group):
+    """Pattern 2 where the all-reduced value feeds only the norm."""
+
+    def embed_then_norm(x, w):
+        return rmsnorm_transformers(funcol_all_reduce(x, group), w, 1e-6)
+
+    gm = post_grad_graph(embed_then_norm, torch.randn(3, 16), torch.randn(16))
+    assert allreduce_rmsnorm_fusion.run(gm.graph, PassConfig()) == 1
+    (site,) = fused_sites(gm)
+    assert site.args[1] is None
+    assert op_counts(gm.graph)["_c10d_functional.all_reduce"] == 0
+
+
+def test_symbolic_token_count_and_3d_input(group):
+    """[batch, tokens, hidden] activations with dynamic shapes still fuse, with symbolic meta."""
+    decoder = functools.partial(toy_decoder, group=group, norm=rmsnorm_functional)
+    embed, w_attn, w_mlp, weight = decoder_inputs(torch.bfloat16, tokens=6)
+    gm = post_grad_graph(decoder, embed.view(2, 3, -1), w_attn, w_mlp, weight, dynamic=True)
+    assert allreduce_rmsnorm_fusion.run(gm.graph, PassConfig()) == 4
+    x_val = fused_sites(gm)[0].args[0].meta["val"]
+    assert any(isinstance(size, torch.SymInt) for size in x_val.shape)
+    assert_meta_matches_propagation(gm)
+
+
+def test_rewrite_is_a_pure_function_of_the_graph(group):
+    """Two captures of one program rewrite to identical graphs (what every rank relies on)."""
+    decoder = functools.partial(toy_decoder, group=group, norm=rmsnorm_transformers)
+    afters = []
+    for _ in range(2):
+        gm = post_grad_graph(decoder, *decoder_inputs(torch.bfloat16))
+        allreduce_rmsnorm_fusion.run(gm.graph, PassConfig())
+        afters.append(snapshot(gm.graph).lines)
+    assert afters[0] == afters[1]
+
+
+def test_disabled_patterns_fuse_nothing(group):
+    decoder = functools.partial(toy_decoder, group=group, norm=rmsnorm_transformers)
+    rewrite_patterns = PassConfig(frozenset({"merge_allreduce"}))
+    gm = post_grad_graph(decoder, *decoder_inputs(torch.float32))
+    assert allreduce_rmsnorm_fusion.run(gm.graph, rewrite_patterns) == 0
+    assert op_counts(gm.graph)[FUSED] == 0
+
+
+# ---------------------------------------------------------------- never fuse what is not the pattern
+
+
+def test_no_norm_follows(group):
+    def reduce_add(x, res):
+        return funcol_all_reduce(x, group) + res
+
+    rewrite_unchanged(reduce_add, torch.randn(4, 16), torch.randn(4, 16))
+
+
+def test_add_of_a_broadcast_bias_is_not_a_residual(group):
+    def reduce_bias_norm(x, bias, w):
+        return rmsnorm_transformers(funcol_all_reduce(x, group) + bias, w, 1e-6)
+
+    rewrite_unchanged(reduce_bias_norm, torch.randn(4, 16), torch.randn(16), torch.randn(16))
+
+
+def test_add_of_a_scalar_is_not_a_residual(group):
+    def reduce_shift_norm(x, w):
+        return rmsnorm_transformers(funcol_all_reduce(x, group) + 1.0, w, 1e-6)
+
+    rewrite_unchanged(reduce_shift_norm, torch.randn(4, 16), torch.randn(16))
+
+
+@pytest.mark.parametrize("weight_shape", [(1,), (4, 16)], ids=["scalar_like", "per_token"])
+def test_weight_not_a_hidden_size_vector(group, weight_shape):
+    def reduce_add_norm(x, res, w):
+        h = funcol_all_reduce(x, group) + res
+        return rmsnorm_transformers(h, w, 1e-6), h
+
+    rewrite_unchanged(reduce_add_norm, torch.randn(4, 16), torch.randn(4, 16), torch.randn(weight_shape))
+
+
+def test_reduced_value_used_elsewhere(group):
+    """The fused op cannot return the all-reduced value before the residual add."""
+
+    def reduce_add_norm_keep_reduced(x, res, w):
+        reduced = funcol_all_reduce(x, group)
+        h = reduced + res
+        return rmsnorm_transformers(h, w, 1e-6), h, reduced * 2
+
+    rewrite_unchanged(reduce_add_norm_keep_reduced, torch.randn(4, 16), torch.randn(4, 16), torch.randn(16))
+
+
+def test_norm_intermediate_used_elsewhere(group):
+    def reduce_norm_keep_rsqrt(x, w):
+        h = funcol_all_reduce(x, group)
+        inv_rms = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return w * (h * inv_rms), inv_rms
+
+    rewrite_unchanged(reduce_norm_keep_rsqrt, torch.randn(4, 16), torch.randn(16))
+
+
+def test_max_all_reduce_is_not_fused(group):
+    def reduce_max_norm(x, w):
+        return rmsnorm_transformers(torch.distributed._functional_collectives.all_reduce(x, "max", group), w, 1e-6)
+
+    rewrite_unchanged(reduce_max_norm, torch.randn(4, 16), torch.randn(16))
+
+
+def test_norm_without_fp32_upcast_is_not_fused(group):
+    """A bf16-precision RMSNorm would change numerics if replaced by the fp32 fused op."""
+
+    def reduce_norm_in_bf16(x, res, w):
+        h = funcol_all_reduce(x, group) + res
+        return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)), h
+
+    args = (torch.randn(4, 16), torch.randn(4, 16), torch.randn(16))
+    rewrite_unchanged(reduce_norm_in_bf16, *(a.to(torch.bfloat16) for a in args))
+
+
+def test_mean_over_tokens_is_not_rmsnorm(group):
+    def reduce_norm_over_tokens(x, w):
+        h = funcol_all_reduce(x, group)
+        return w * (h * torch.rsqrt(h.pow(2).mean(0, keepdim=True) + 1e-6))
+
+    rewrite_unchanged(reduce_norm_over_tokens, torch.randn(4, 16), torch.randn(16))
+
+
+def test_residual_of_another_dtype(group):
+    def reduce_add_fp32_residual_norm(x, res, w):
+        h = funcol_all_reduce(x, group) + res
+        return rmsnorm_transformers(h, w, 1e-6), h
+
+    bf16 = torch.bfloat16
+    rewrite_unchanged(reduce_add_fp32_residual_norm, torch.randn(4, 16, dtype=bf16), torch.randn(4, 16), torch.randn(16))
+
+
+def test_weight_of_another_dtype(group):
+    """fp32 weight times bf16 activations gives an fp32 result the fused op does not produce."""
+
+    def reduce_add_norm(x, res, w):
+        h = funcol_all_reduce(x, group) + res
+        return rmsnorm_transformers(h, w, 1e-6), h
+
+    bf16 = torch.bfloat16
+    x, res = torch.randn(4, 16, dtype=bf16), torch.randn(4, 16, dtype=bf16)
+    rewrite_unchanged(reduce_add_norm, x, res, torch.randn(16))
+
+
+def test_graph_without_collectives_unchanged(group):
+    def local_block(x, res, w):
+        h = x @ x.T + res
+        return rmsnorm_transformers(h, w, 1e-6), h
+
+    rewrite_unchanged(local_block, torch.randn(4, 4), torch.randn(4, 4), torch.randn(4))
+
+
+def test_inplace_all_reduce_of_a_graph_input_is_not_fused(group):
+    """The reduced value is also copied back into the caller's tensor: a use the op cannot return."""
+
+    def reduce_input_in_place(x, res, w):
+        h = inplace_all_reduce(x, group) + res
+        return rmsnorm_transformers(h, w, 1e-6), h
+
+    rewrite_unchanged(reduce_input_in_place, torch.randn(4, 16), torch.randn(4, 16), torch.randn(16))
+
+
+def test_two_groups_each_site_uses_its_own_group(group):
+    """Sites on different process groups fuse with their own group's name."""
+    other = dist.new_group([0, 1])
+
+    def two_groups(x, y, res, w):
+        h = funcol_all_reduce(x, group) + res
+        n = rmsnorm_transformers(h, w, 1e-6)
+        h = funcol_all_reduce(n @ y, other) + h
+        return rmsnorm_transformers(h, w, 1e-6)
+
+    gm = post_grad_graph(two_groups, torch.randn(4, 16), torch.randn(16, 16), torch.randn(4, 16), torch.randn(16))
+    assert allreduce_rmsnorm_fusion.run(gm.graph, PassConfig()) == 2
+    assert [site.args[4] for site in fused_sites(gm)] == [group.group_name, other.group_name]
