@@ -26,7 +26,33 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--verbose", action="store_true", help="print full tracebacks on failure")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_run_parser(commands)
+    _add_bench_parser(commands)
     return parser
+
+
+BENCHMARKS = {
+    "kernel": ("fxfuse.bench_kernel", "fused op vs unfused all-reduce + add-RMSNorm, per token count (CUDA)"),
+}
+
+
+def _add_bench_parser(commands) -> None:
+    lines = "\n".join(f"  {name:8s} {text}" for name, (_, text) in BENCHMARKS.items())
+    p = commands.add_parser(
+        "bench",
+        help="benchmarks (CUDA): " + ", ".join(BENCHMARKS),
+        description=f"Benchmarks; `fxfuse bench NAME --help` lists each one's options.\n{lines}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("benchmark", choices=tuple(BENCHMARKS), help="which benchmark")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="options of that benchmark")
+    p.set_defaults(handler=_bench_command)
+
+
+def _bench_command(args) -> int:
+    import importlib
+
+    module = importlib.import_module(BENCHMARKS[args.benchmark][0])
+    return module.main(args.args)
 
 
 def _add_run_parser(commands) -> None:
