@@ -8,9 +8,9 @@ Data path: dynamo graph -> AOT autograd (functional ATen, Inductor's decompositi
 (`merge_allreduce`, then `allreduce_rmsnorm_fusion`) -> the inner compiler. With `inner="inductor"`
 the passes run as Inductor's `post_grad_custom_post_pass`; with `inner="eager"` they run on the AOT
 forward graph after the clean-ups Inductor does before that point, and the graph then runs as is. Every pass run is recorded on the backend object (`records`): the graph before and after, and
-`FusionStats`; the same numbers are summed into `torch._dynamo.utils.counters["fxfuse"]`, for
-compiles made through the `backend="fxfuse"` entry point. The rewrite depends only on the graph, so
-every rank makes the same decisions.
+`FusionStats`. The same numbers are also summed into `torch._dynamo.utils.counters["fxfuse"]`, the
+only view of compiles made through the `backend="fxfuse"` entry point. The rewrite depends only on
+the graph, so every rank makes the same decisions.
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ class FxfuseBackend:
     inner: "inductor" (default) or "eager" (no code generation: fast, for tests).
     patterns: names from `fxfuse.passes.config.PATTERNS` to enable (all by default).
     dump_dir: if set, each pass run writes `graph_<n>[_rank<r>].{before,after,diff}.txt` there.
-    After compiling, `records` holds one `CompileRecord` per pass run, in order.
+    After compiling, `records` holds one `CompileRecord` per pass run, in order. With Inductor, the
+    passes take the `post_grad_custom_post_pass` slot of Inductor's config for these compiles.
     """
 
     def __init__(
@@ -170,10 +171,10 @@ class FxfuseBackend:
         """Write the record's graphs and diff under `dump_dir` (one file set per rank)."""
         self.dump_dir.mkdir(parents=True, exist_ok=True)
         rank = f"_rank{dist.get_rank()}" if dist.is_initialized() else ""
-        stem = self.dump_dir / f"graph_{index:03d}{rank}"
-        Path(f"{stem}.before.txt").write_text(record.before.text())
-        Path(f"{stem}.after.txt").write_text(record.after.text())
-        Path(f"{stem}.diff.txt").write_text(f"{record.stats}\n\n{record.diff()}")
+        stem = f"graph_{index:03d}{rank}"
+        (self.dump_dir / f"{stem}.before.txt").write_text(record.before.text())
+        (self.dump_dir / f"{stem}.after.txt").write_text(record.after.text())
+        (self.dump_dir / f"{stem}.diff.txt").write_text(f"{record.stats}\n\n{record.diff()}")
 
 
 def fxfuse_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:

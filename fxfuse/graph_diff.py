@@ -34,7 +34,7 @@ def op_counts(graph: torch.fx.Graph) -> Counter[str]:
 
 
 def _describe_value(node: torch.fx.Node) -> str:
-    """`bf16[s0, 64]`-style summary of node.meta['val'] (empty if absent)."""
+    """`  # bfloat16[s0, 64]`-style summary of node.meta["val"] (empty if absent)."""
     values = node.meta.get("val")
     if values is None:
         return ""

@@ -30,6 +30,7 @@ from torch._inductor.pattern_matcher import Match, PatternMatcherPass, register_
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxfuse.ops import allreduce_residual_rmsnorm
+from fxfuse.passes.config import ALLREDUCE_RESIDUAL_RMSNORM, ALLREDUCE_RMSNORM, PassConfig
 from fxfuse.passes.pattern_support import (
     allreduce_sum,
     example_tensor,
@@ -38,12 +39,11 @@ from fxfuse.passes.pattern_support import (
     sum_allreduce_groups,
     trace_functional,
 )
-from fxfuse.passes.config import ALLREDUCE_RESIDUAL_RMSNORM, ALLREDUCE_RMSNORM, PassConfig
 
 FUSIBLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Traced in place of the real eps so the pattern binds each site's own eps as an argument. It must
-# survive a round trip through float32 unchanged (F.rms_norm's decomposition rounds eps to float32)
+# survive a round trip through float32 unchanged (on CPU, F.rms_norm rounds eps to float32)
 # and appear nowhere else in the patterns.
 EPS_PLACEHOLDER = 2.0**-20
 
@@ -114,12 +114,24 @@ def fusible_site(match: Match) -> bool:
     return weight.dtype == x.dtype and weight.dim() == 1 and statically_known_true(weight.shape[0] == x.shape[-1])
 
 
+def _register(pass_: PatternMatcherPass, search: Callable, replacement: Callable, examples: list[torch.Tensor]) -> None:
+    """Trace `search` -> `replacement` into `pass_`, checked by `fusible_site`, eps bound per site."""
+    register_replacement(
+        search,
+        replacement,
+        examples,
+        trace_functional,
+        pass_,
+        extra_check=fusible_site,
+        scalar_workaround={"eps": EPS_PLACEHOLDER},
+    )
+
+
 def _register_residual_patterns(pass_: PatternMatcherPass, group_name: str, norm: RMSNorm, dtype: torch.dtype) -> None:
     """Register pattern 1 for one norm spelling and dtype, with the residual on either side of `+`."""
 
-    def replacement(x, residual, weight, eps):
-        normed, residual_out = allreduce_residual_rmsnorm(x, residual, weight, eps, group_name)
-        return normed, residual_out
+    def fused(x, residual, weight, eps):
+        return allreduce_residual_rmsnorm(x, residual, weight, eps, group_name)
 
     def reduced_plus_residual(x, residual, weight, eps):
         hidden = allreduce_sum(x, group_name) + residual
@@ -130,38 +142,21 @@ def _register_residual_patterns(pass_: PatternMatcherPass, group_name: str, norm
         return norm(hidden, weight, eps), hidden
 
     examples = [example_tensor(4, 16, dtype=dtype), example_tensor(4, 16, dtype=dtype), example_tensor(16, dtype=dtype)]
-    for search in (reduced_plus_residual, residual_plus_reduced):
-        register_replacement(
-            search,
-            replacement,
-            examples,
-            trace_functional,
-            pass_,
-            extra_check=fusible_site,
-            scalar_workaround={"eps": EPS_PLACEHOLDER},
-        )
+    _register(pass_, reduced_plus_residual, fused, examples)
+    _register(pass_, residual_plus_reduced, fused, examples)
 
 
 def _register_plain_pattern(pass_: PatternMatcherPass, group_name: str, norm: RMSNorm, dtype: torch.dtype) -> None:
     """Register pattern 2 (no residual) for one norm spelling and dtype."""
 
-    def replacement(x, weight, eps):
-        normed, residual_out = allreduce_residual_rmsnorm(x, None, weight, eps, group_name)
-        return normed, residual_out
+    def fused(x, weight, eps):
+        return allreduce_residual_rmsnorm(x, None, weight, eps, group_name)
 
     def reduced_into_norm(x, weight, eps):
         reduced = allreduce_sum(x, group_name)
         return norm(reduced, weight, eps), reduced
 
-    register_replacement(
-        reduced_into_norm,
-        replacement,
-        [example_tensor(4, 16, dtype=dtype), example_tensor(16, dtype=dtype)],
-        trace_functional,
-        pass_,
-        extra_check=fusible_site,
-        scalar_workaround={"eps": EPS_PLACEHOLDER},
-    )
+    _register(pass_, reduced_into_norm, fused, [example_tensor(4, 16, dtype=dtype), example_tensor(16, dtype=dtype)])
 
 
 @functools.cache
