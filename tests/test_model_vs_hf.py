@@ -31,7 +31,11 @@ from fxfuse.models.weights import SafetensorsSource, load_weights
 
 BATCH, PROMPT_LEN, MAX_SEQ_LEN = 2, 12, 32
 FP32_TOLERANCE = 1e-4
-VARIANTS = {"q_lora": get_preset("tiny"), "no_q_lora": replace(get_preset("tiny"), q_lora_rank=None)}
+VARIANTS = {
+    "q_lora": get_preset("tiny"),
+    "no_q_lora": replace(get_preset("tiny"), q_lora_rank=None),
+    "tied_embeddings": replace(get_preset("tiny"), tie_word_embeddings=True),
+}
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
