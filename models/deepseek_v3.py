@@ -56,6 +56,7 @@ class DecoderLayer(nn.Module):
             )
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """hidden [B, T, hidden] (replicated) -> the layer's output [B, T, hidden] (replicated)."""
         residual = hidden
         attn = self.self_attn(self.input_layernorm(hidden), positions, cos, sin)
         hidden = residual + self.ctx.all_reduce(attn)

@@ -34,4 +34,5 @@ class ParallelGatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, ctx, **linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., hidden] (replicated) -> this rank's partial sum [..., hidden]."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
