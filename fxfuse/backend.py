@@ -28,7 +28,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from fxfuse.graph_diff import GraphSnapshot, render_diff, snapshot
-from fxfuse.ops import allreduce_residual_rmsnorm
+from fxfuse.ops import FUSED_OPS
 from fxfuse.passes import allreduce_rmsnorm_fusion, merge_allreduce
 from fxfuse.passes.config import PATTERNS, PassConfig
 
@@ -72,7 +72,7 @@ class CompileRecord:
 
 def fusion_stats(graph: torch.fx.Graph, before: GraphSnapshot, after: GraphSnapshot, merged: int) -> FusionStats:
     """Stats of one pass run from the snapshots around it and the rewritten graph."""
-    fused_sites = graph.find_nodes(op="call_function", target=allreduce_residual_rmsnorm)
+    fused_sites = [node for op in FUSED_OPS for node in graph.find_nodes(op="call_function", target=op)]
     without_residual = sum(1 for node in fused_sites if node.args[1] is None)
     return FusionStats(
         allreduces_before=before.op_counts[ALL_REDUCE_OP],
@@ -175,6 +175,26 @@ class FxfuseBackend:
         (self.dump_dir / f"{stem}.before.txt").write_text(record.before.text())
         (self.dump_dir / f"{stem}.after.txt").write_text(record.after.text())
         (self.dump_dir / f"{stem}.diff.txt").write_text(f"{record.stats}\n\n{record.diff()}")
+
+
+def fusion_summary(backend: FxfuseBackend) -> dict[str, int | None]:
+    """What the pass did to the graph a run last compiled: the runner's JSON fields.
+
+    `allreduce_sites`: all-reduces in that graph before the passes; `fused_sites`: fused ops after
+    them; `merged`: all-reduce pairs merged first; `graphs_compiled`: pass runs so far (one per
+    compiled graph: with fullgraph=True, one per compile, e.g. a width-1 step compiled apart).
+    The counts are None before anything was compiled. The last graph, not a sum over compiles: each
+    compile is the whole model again, so summing would count every site once per compile.
+    """
+    if not backend.records:
+        return {"allreduce_sites": None, "fused_sites": None, "merged": None, "graphs_compiled": 0}
+    stats = backend.records[-1].stats
+    return {
+        "allreduce_sites": stats.allreduces_before,
+        "fused_sites": stats.fused,
+        "merged": stats.merged,
+        "graphs_compiled": len(backend.records),
+    }
 
 
 def fxfuse_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:

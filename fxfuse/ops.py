@@ -14,6 +14,12 @@ such sites):
   model applied the weight in float32 before casting back (`F.rms_norm`), the fused result can differ
   from the unfused one by one rounding step of `dtype`; in float32 both orders are the same.
 
+Overload `tensor_eps` takes `eps` as a 0-dim tensor (read with `float(eps)` when the kernel runs):
+under `torch.compile(dynamic=True)` dynamo turns Python float attributes such as a norm's eps into
+float64 scalar tensor inputs of the graph, and the fusion pass then passes that tensor along, so the
+compiled graph still honours a changed eps without a recompile. The pass uses it only for CPU
+scalars, so reading one never synchronizes a GPU.
+
 The CPU kernel (gloo) is the reference. The CUDA kernel lives in `fxfuse.cuda_allreduce_norm`, which
 is imported only when a CUDA tensor reaches the op. The fake kernel makes the op traceable with
 symbolic token counts. Both outputs are fresh tensors: they never alias an input.
@@ -26,10 +32,15 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 OP_NAME = "fxfuse::allreduce_residual_rmsnorm"
+TENSOR_EPS_OP_NAME = f"{OP_NAME}.tensor_eps"
 
 torch.library.define(
     OP_NAME,
     "(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name) -> (Tensor normed, Tensor residual_out)",
+)
+torch.library.define(
+    TENSOR_EPS_OP_NAME,
+    "(Tensor x, Tensor? residual, Tensor weight, Tensor eps, str group_name) -> (Tensor normed, Tensor residual_out)",
 )
 
 
@@ -83,5 +94,23 @@ def _allreduce_residual_rmsnorm_fake(
     )
 
 
-# The fused op's overload, as it appears as the target of nodes in FX graphs.
+@torch.library.register_kernel(TENSOR_EPS_OP_NAME, ("cpu", "cuda"))
+def _allreduce_residual_rmsnorm_tensor_eps(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: torch.Tensor, group_name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `tensor_eps` overload: the float overload with `float(eps)` (a host read for a CPU scalar)."""
+    return allreduce_residual_rmsnorm(x, residual, weight, float(eps), group_name)
+
+
+@torch.library.register_fake(TENSOR_EPS_OP_NAME)
+def _allreduce_residual_rmsnorm_tensor_eps_fake(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: torch.Tensor, group_name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shapes only, as the float overload."""
+    return _allreduce_residual_rmsnorm_fake(x, residual, weight, 0.0, group_name)
+
+
+# The fused op's overloads, as they appear as the targets of nodes in FX graphs.
 allreduce_residual_rmsnorm = torch.ops.fxfuse.allreduce_residual_rmsnorm.default
+allreduce_residual_rmsnorm_tensor_eps = torch.ops.fxfuse.allreduce_residual_rmsnorm.tensor_eps
+FUSED_OPS = (allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps)

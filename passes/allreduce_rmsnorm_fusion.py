@@ -12,10 +12,13 @@ other uses of the all-reduced value read `residual_out`.
 
 RMSNorm spellings matched: by hand as transformers writes it (float32 upcast, pow/mean/rsqrt; the
 weight multiplied after the cast back or in float32 before it, on either side) and `F.rms_norm`, in
-bfloat16, float16 and float32, with any eps (each site keeps its own). The patterns are traced from
-the functions below with torch's pattern matcher, once per process group name found in the graph, so
-the group name is part of the pattern. `extra_check` refuses sites the fused op cannot reproduce:
-dtypes that differ, a residual or weight that is not a same-shape tensor / a hidden-size vector.
+bfloat16, float16 and float32, with any eps (each site keeps its own). The eps is a Python float, or
+a 0-dim CPU tensor when `torch.compile(dynamic=True)` made the model's float eps a graph input; the
+fused call is then the op's `tensor_eps` overload, which reads it when it runs. The patterns are
+traced from the functions below with torch's pattern matcher, once per process group name found in
+the graph, so the group name is part of the pattern. `extra_check` refuses sites the fused op cannot
+reproduce (`site_refusal` says why): dtypes that differ, a residual or weight that is not a
+same-shape tensor / a hidden-size vector, an eps tensor that is not a CPU scalar.
 """
 
 from __future__ import annotations
@@ -26,10 +29,10 @@ from collections.abc import Callable
 import torch
 import torch.fx
 import torch.nn.functional as F
-from torch._inductor.pattern_matcher import Match, PatternMatcherPass, register_replacement
+from torch._inductor.pattern_matcher import Match, PatternMatcherPass, register_replacement, stable_topological_sort
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from fxfuse.ops import allreduce_residual_rmsnorm
+from fxfuse.ops import allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps
 from fxfuse.passes.config import ALLREDUCE_RESIDUAL_RMSNORM, ALLREDUCE_RMSNORM, PassConfig
 from fxfuse.passes.pattern_support import (
     allreduce_sum,
@@ -96,22 +99,75 @@ RMSNORM_SPELLINGS: dict[torch.dtype, tuple[RMSNorm, ...]] = {
 }
 
 
-def fusible_site(match: Match) -> bool:
-    """extra_check: the matched tensors are ones the fused op handles with the unfused rounding.
+def site_refusal(
+    x: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    eps: float | torch.Tensor | None,
+    residual: torch.Tensor | None = None,
+    with_residual: bool = False,
+) -> str | None:
+    """Why the fused op cannot reproduce a matched site with the unfused rounding; None if it can.
 
-    x (and residual, if any) share a supported dtype and x's shape; weight is a vector of the hidden
-    size (x's last dimension) in that dtype. Anything else (a scalar or broadcast "residual", a
-    differently-typed weight or residual) stays unfused.
+    x (and residual, with `with_residual`) share a supported dtype and x's shape; weight is a vector
+    of the hidden size (x's last dimension) in that dtype; eps is a float or a 0-dim floating CPU
+    tensor. Anything else (a scalar or broadcast "residual", a differently-typed weight or residual,
+    an eps on a GPU, which would cost a device sync to read) stays unfused.
     """
-    x = matched_tensor(match, "x")
-    weight = matched_tensor(match, "weight")
-    if x is None or weight is None or x.dtype not in FUSIBLE_DTYPES or x.dim() < 1:
-        return False
-    if "residual" in match.kwargs:
-        residual = matched_tensor(match, "residual")
-        if residual is None or residual.dtype != x.dtype or not same_shape(residual, x):
-            return False
-    return weight.dtype == x.dtype and weight.dim() == 1 and statically_known_true(weight.shape[0] == x.shape[-1])
+    if x is None or x.dim() < 1:
+        return "the all-reduced value is not a tensor with a hidden dimension"
+    if x.dtype not in FUSIBLE_DTYPES:
+        return f"dtype {_dtype_name(x.dtype)} is not bfloat16, float16 or float32"
+    if with_residual:
+        if residual is None:
+            return "the residual is not a tensor"
+        if residual.dtype != x.dtype:
+            return f"residual dtype {_dtype_name(residual.dtype)} differs from {_dtype_name(x.dtype)}"
+        if not same_shape(residual, x):
+            return f"residual shape {list(residual.shape)} is not the all-reduced shape {list(x.shape)}"
+    if weight is None:
+        return "the RMSNorm weight is not a tensor"
+    if weight.dtype != x.dtype:
+        return f"RMSNorm weight dtype {_dtype_name(weight.dtype)} differs from {_dtype_name(x.dtype)}"
+    if weight.dim() != 1 or not statically_known_true(weight.shape[0] == x.shape[-1]):
+        return f"RMSNorm weight shape {list(weight.shape)} is not [hidden size {x.shape[-1]}]"
+    if isinstance(eps, torch.Tensor) and (eps.dim() != 0 or not eps.is_floating_point() or eps.device.type != "cpu"):
+        return f"eps is a {eps.device.type} tensor of shape {list(eps.shape)}, not a CPU scalar"
+    if eps is None:
+        return "eps is neither a float nor a tensor"
+    return None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _matched_eps(match: Match) -> float | torch.Tensor | None:
+    """The eps bound by a match: a float constant, or the fake tensor of the node that feeds it."""
+    eps = match.kwargs.get("eps")
+    if isinstance(eps, (int, float)):
+        return float(eps)
+    return matched_tensor(match, "eps")
+
+
+def fusible_site(match: Match) -> bool:
+    """extra_check: the matched site is one the fused op reproduces (`site_refusal` is None)."""
+    return (
+        site_refusal(
+            matched_tensor(match, "x"),
+            matched_tensor(match, "weight"),
+            _matched_eps(match),
+            matched_tensor(match, "residual"),
+            with_residual="residual" in match.kwargs,
+        )
+        is None
+    )
+
+
+def fused_call(x, residual, weight, eps, group_name: str):
+    """The fused op for one site: the float overload, or `tensor_eps` when eps is a graph tensor."""
+    if isinstance(eps, torch.Tensor):
+        return allreduce_residual_rmsnorm_tensor_eps(x, residual, weight, eps, group_name)
+    return allreduce_residual_rmsnorm(x, residual, weight, eps, group_name)
 
 
 def _register(pass_: PatternMatcherPass, search: Callable, replacement: Callable, examples: list[torch.Tensor]) -> None:
@@ -131,7 +187,7 @@ def _register_residual_patterns(pass_: PatternMatcherPass, group_name: str, norm
     """Register pattern 1 for one norm spelling and dtype, with the residual on either side of `+`."""
 
     def fused(x, residual, weight, eps):
-        return allreduce_residual_rmsnorm(x, residual, weight, eps, group_name)
+        return fused_call(x, residual, weight, eps, group_name)
 
     def reduced_plus_residual(x, residual, weight, eps):
         hidden = allreduce_sum(x, group_name) + residual
@@ -150,7 +206,7 @@ def _register_plain_pattern(pass_: PatternMatcherPass, group_name: str, norm: RM
     """Register pattern 2 (no residual) for one norm spelling and dtype."""
 
     def fused(x, weight, eps):
-        return allreduce_residual_rmsnorm(x, None, weight, eps, group_name)
+        return fused_call(x, None, weight, eps, group_name)
 
     def reduced_into_norm(x, weight, eps):
         reduced = allreduce_sum(x, group_name)
@@ -172,9 +228,22 @@ def fusion_patterns(group_name: str, patterns: frozenset[str]) -> PatternMatcher
     return pass_
 
 
+def enabled_patterns(config: PassConfig) -> frozenset[str]:
+    """The names of patterns 1 and 2 that `config` enables."""
+    return frozenset(p for p in (ALLREDUCE_RESIDUAL_RMSNORM, ALLREDUCE_RMSNORM) if config.enabled(p))
+
+
 def run(graph: torch.fx.Graph, config: PassConfig) -> int:
-    """Replace every enabled pattern-1/2 site in `graph` (in place); returns how many were fused."""
-    patterns = frozenset(p for p in (ALLREDUCE_RESIDUAL_RMSNORM, ALLREDUCE_RMSNORM) if config.enabled(p))
+    """Replace every enabled pattern-1/2 site in `graph` (in place); returns how many were fused.
+
+    A fused call goes where the site's residual add (or all-reduce) was, which can come before the
+    node computing an eps tensor; the graph is then re-sorted topologically, keeping the order of
+    everything else (as Inductor does after its post-grad passes).
+    """
+    patterns = enabled_patterns(config)
     if not patterns:
         return 0
-    return sum(fusion_patterns(group, patterns).apply(graph) for group in sum_allreduce_groups(graph))
+    fused = sum(fusion_patterns(group, patterns).apply(graph) for group in sum_allreduce_groups(graph))
+    if fused:
+        stable_topological_sort(graph)
+    return fused

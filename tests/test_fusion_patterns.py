@@ -29,7 +29,7 @@ from toy_graphs import (
 )
 
 from fxfuse.graph_diff import op_counts, snapshot
-from fxfuse.ops import allreduce_residual_rmsnorm
+from fxfuse.ops import allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps
 from fxfuse.passes import allreduce_rmsnorm_fusion
 from fxfuse.passes.config import PATTERNS, PassConfig
 
@@ -119,7 +119,9 @@ def test_weight_in_fp32_rounding(group, dtype, norm):
     assert backend.records[0].stats.fused == 1
     expected_normed, expected_residual = site(*inputs)
     torch.testing.assert_close(residual_out, expected_residual, rtol=0, atol=0)
-    torch.testing.assert_close(normed, expected_normed, rtol=2 * torch.finfo(dtype).eps, atol=0)
+    # below the smallest normal number rounding steps are absolute, not relative (float16 subnormals)
+    finfo = torch.finfo(dtype)
+    torch.testing.assert_close(normed, expected_normed, rtol=2 * finfo.eps, atol=finfo.smallest_normal)
 
 
 def test_run_reports_the_sites_it_rewrote(group):
@@ -151,6 +153,40 @@ def test_symbolic_token_count_and_3d_input(group):
     x_val = fused_sites(gm)[0].args[0].meta["val"]
     assert any(isinstance(size, torch.SymInt) for size in x_val.shape)
     assert_meta_matches_propagation(gm)
+
+
+class EpsAttributeDecoder(torch.nn.Module):
+    """Pattern 2 then pattern 1, with eps a float attribute (as in every RMSNorm module)."""
+
+    def __init__(self, group, eps: float) -> None:
+        super().__init__()
+        self.group, self.eps = group, eps
+
+    def forward(self, x, w, norm_weight):
+        h = funcol_all_reduce(x, self.group)
+        h = funcol_all_reduce(rmsnorm_transformers(h, norm_weight, self.eps) @ w, self.group) + h
+        return rmsnorm_transformers(h, norm_weight, self.eps)
+
+
+def test_eps_attribute_under_dynamic_true(group):
+    """dynamic=True turns a float attribute into a graph input (a float64 scalar tensor): every site
+    still fuses, through the op's tensor_eps overload, and a changed eps needs no recompile."""
+    decoder = EpsAttributeDecoder(group, 1e-6)
+    x, w, _, norm_weight = decoder_inputs(torch.float32)
+    backend, out = compile_and_run(decoder, x, w, norm_weight, backend=GraphCapture(patterns=PATTERNS), dynamic=True)
+    ((gm,), (record,)) = backend.graphs, backend.records
+    assert (record.stats.fused_without_residual, record.stats.fused_with_residual, record.stats.allreduces_after) == (1, 1, 0)
+    sites = list(gm.graph.find_nodes(op="call_function", target=allreduce_residual_rmsnorm_tensor_eps))
+    assert len(sites) == 2 and all(site.args[3].meta["val"].device.type == "cpu" for site in sites)
+    gm.graph.lint()
+    torch.testing.assert_close(out, decoder(x, w, norm_weight), rtol=1e-5, atol=1e-6)
+
+    decoder.eps = 0.5  # large enough to change every output
+    with torch.no_grad():
+        changed = torch.compile(decoder, backend=backend, fullgraph=True, dynamic=True)(x, w, norm_weight)
+    assert len(backend.records) == 1
+    torch.testing.assert_close(changed, decoder(x, w, norm_weight), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(changed, out)
 
 
 def test_rewrite_is_a_pure_function_of_the_graph(group):

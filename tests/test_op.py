@@ -12,7 +12,7 @@ import torch
 from toy_graphs import fake_process_group
 
 from fxfuse import cuda_allreduce_norm
-from fxfuse.ops import add_rmsnorm, allreduce_residual_rmsnorm
+from fxfuse.ops import add_rmsnorm, allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps
 
 SCHEMA = (
     "fxfuse::allreduce_residual_rmsnorm(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name)"
@@ -37,6 +37,21 @@ def test_opcheck(group, with_residual):
     """Schema, autograd registration, fake kernel and AOT dispatch agree with the CPU kernel."""
     residual = torch.randn(3, 16) if with_residual else None
     torch.library.opcheck(allreduce_residual_rmsnorm, (torch.randn(3, 16), residual, torch.randn(16), 1e-6, group.group_name))
+
+
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "no_residual"])
+def test_tensor_eps_overload_matches_float_overload(group, with_residual):
+    """`tensor_eps` (eps as a 0-dim CPU tensor, as dynamic=True graphs carry it) = the float overload."""
+    x, weight = torch.randn(3, 16), torch.randn(16)
+    residual = torch.randn(3, 16) if with_residual else None
+    eps = torch.tensor(1e-2, dtype=torch.float64)
+    torch.library.opcheck(allreduce_residual_rmsnorm_tensor_eps, (x, residual, weight, eps, group.group_name))
+    torch.testing.assert_close(
+        allreduce_residual_rmsnorm_tensor_eps(x, residual, weight, eps, group.group_name),
+        allreduce_residual_rmsnorm(x, residual, weight, 1e-2, group.group_name),
+        rtol=0,
+        atol=0,
+    )
 
 
 def test_fake_kernel_traces_symbolic_token_counts(group):
