@@ -3,9 +3,10 @@
 `CudaGraphStep(step, batch, widths, device)` captures `step(input_ids, positions)` for each
 width (tokens per sequence) in `widths` into its own `torch.cuda.CUDAGraph` with static input
 buffers; calling it copies the inputs into the buffers of the matching width and replays. Widths
-without a graph run the step uncaptured. Capture must happen before real tokens are in the KV
-cache: the warm-up and capture calls write the cache at positions 0..width-1, which the prefill
-overwrites.
+(or batch sizes) without a graph run the step uncaptured. Capture must happen before real tokens
+are in the KV cache: the warm-up and capture calls write the cache at positions 0..width-1, which
+the prefill overwrites. The warm-up calls (outside capture) are where a compiled step compiles,
+and where the fxfuse op creates its workspace if `fxfuse.prepare` was not called first.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 import torch
+
+from fxfuse.models.progress import Progress
 
 #: Default widths (tokens per sequence per step) that get their own graph.
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -28,11 +31,14 @@ class CudaGraphStep:
         widths: Iterable[int],
         device: torch.device,
         warmup: int = 2,
+        progress: Progress | None = None,
     ):
         self.step = step
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         for width in sorted(set(widths)):
+            if progress is not None:
+                progress.note(f"capturing a CUDA graph for {batch} x {width} tokens")
             ids = torch.zeros(batch, width, dtype=torch.long, device=device)
             positions = torch.arange(width, device=device).expand(batch, -1).contiguous()
             stream = torch.cuda.Stream(device)
@@ -46,6 +52,11 @@ class CudaGraphStep:
                 out = step(ids, positions)
             self.graphs[width] = (graph, ids, positions, out)
         torch.cuda.synchronize(device)
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """The widths that have a captured graph, ascending."""
+        return tuple(self.graphs)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Run one step: replay the graph for this width (returns its static output) or run uncaptured."""

@@ -1,0 +1,413 @@
+"""`fxfuse bench model`: DeepSeek-V3 verify-step latency, eager vs Inductor vs fxfuse, under CUDA graphs.
+
+The deepseek-v3 preset at full width with `--layers N` (random weights), tensor parallel over
+`--tp` GPUs (default: all visible ones; NCCL, one process per GPU). For each batch size and step
+width (tokens per sequence) every backend's step is captured in a CUDA graph over the static KV
+cache and replayed; the backends are timed side by side, in interleaved rounds, and each timing
+is the median over `--repeats` samples of `--iters` replays (slowest rank). Every backend's logits
+are checked against eager on the same inputs and cache (relative L2 error, loose tolerance). At tp > 1 it also times the collectives alone: the
+step's all-reduces ([batch * width, hidden] each, as many as the step does) captured in one graph,
+and reports their share of the unfused (Inductor) step. Results go to --out-dir as JSON, markdown
+and PNG (see `fxfuse.bench_model_report`).
+
+`--device cpu` is a smoke run of the same code (gloo ranks, no CUDA graphs, wall-clock timing):
+it checks the benchmark, not the speed. Launch under torchrun to join an existing launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import platform
+import shlex
+import statistics
+import sys
+import time
+import traceback
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from fxfuse.bench_model_report import markdown, write_report
+from fxfuse.launch import run_on_ranks, under_torchrun
+from fxfuse.models.progress import Progress
+from fxfuse.models.step_backends import BACKENDS, CompiledStep, compile_step
+
+DEFAULT_TOKENS = (1, 4, 16, 64)
+DEFAULT_BATCHES = (1, 8)
+#: Largest relative L2 error of a backend's logits against eager's. Loose on purpose: it catches
+#: broken outputs (errors of order 1), not rounding; bf16 rounding differences can flip a MoE
+#: routing tie for a token, which moves that token's logits by a few percent.
+TOLERANCE = 0.1
+
+
+@dataclass(frozen=True)
+class ModelBenchConfig:
+    """What one model benchmark measures (identical on all ranks)."""
+
+    preset: str
+    layers: int
+    tokens: tuple[int, ...]
+    batches: tuple[int, ...]
+    backends: tuple[str, ...]
+    dtype: str
+    context: int
+    repeats: int
+    iters: int
+    device: str
+    time_budget_s: float | None
+    seed: int = 0
+
+
+class BenchInputError(ValueError):
+    """A benchmark that cannot start: bad option or machine; the message says which."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parse `fxfuse bench model` arguments."""
+    p = argparse.ArgumentParser(prog="fxfuse bench model", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="deepseek-v3", help="model preset (default deepseek-v3, full width)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4: 3 dense + 1 MoE for deepseek-v3)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: all visible GPUs; 1 on cpu)")
+    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma-separated step widths")
+    p.add_argument("--batch", default=",".join(map(str, DEFAULT_BATCHES)), help="comma-separated batch sizes")
+    p.add_argument("--backends", default=",".join(BACKENDS), help=f"comma-separated subset of {', '.join(BACKENDS)}")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    p.add_argument("--context", type=int, default=1024, help="KV-cache length (positions) every step attends over")
+    p.add_argument("--repeats", type=int, default=10, help="timing samples per point (the median is reported)")
+    p.add_argument("--iters", type=int, default=5, help="replays per timing sample")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda, or cpu for a smoke run")
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="stop capturing new points after this many seconds and report what was measured")
+    p.add_argument("--out-dir", type=Path, default=Path("bench/results"), help="where result files go")
+    return p.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[ModelBenchConfig, int]:
+    """(benchmark config, tp size) from parsed arguments; raises BenchInputError naming the problem."""
+    from fxfuse.models.presets import PRESETS, get_preset
+
+    tokens, batches = _int_list("--tokens", args.tokens), _int_list("--batch", args.batch)
+    backends = tuple(args.backends.split(","))
+    unknown = sorted(set(backends) - set(BACKENDS))
+    if unknown:
+        raise BenchInputError(f"unknown backends {unknown}; choose from {', '.join(BACKENDS)}")
+    if args.preset not in PRESETS:
+        raise BenchInputError(f"unknown preset {args.preset!r}; choose one of: {', '.join(PRESETS)}")
+    if max(tokens) > 128:
+        raise BenchInputError(f"--tokens must be at most 128 per step (got {max(tokens)})")
+    if max(tokens) > args.context:
+        raise BenchInputError(f"a step of {max(tokens)} tokens does not fit a KV cache of --context {args.context}")
+    if args.repeats < 1 or args.iters < 1:
+        raise BenchInputError("--repeats and --iters must be at least 1")
+    config = get_preset(args.preset)
+    if not 1 <= args.layers <= config.num_hidden_layers:
+        raise BenchInputError(f"--layers must be between 1 and {config.num_hidden_layers} (got {args.layers})")
+    if args.context > config.max_position_embeddings:
+        raise BenchInputError(f"--context {args.context} exceeds max_position_embeddings {config.max_position_embeddings}")
+    tp = _tensor_parallel_size(args)
+    try:
+        config.check_tensor_parallel(tp)
+    except ValueError as exc:
+        raise BenchInputError(str(exc)) from exc
+    bench = ModelBenchConfig(
+        preset=args.preset, layers=args.layers, tokens=tuple(sorted(set(tokens))), batches=tuple(sorted(set(batches))),
+        backends=tuple(b for b in BACKENDS if b in backends), dtype=args.dtype, context=args.context,
+        repeats=args.repeats, iters=args.iters, device=args.device, time_budget_s=args.time_budget_s,
+    )
+    return bench, tp
+
+
+def _int_list(flag: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise BenchInputError(f"{flag} takes comma-separated integers (got {text!r})") from None
+    if min(values) < 1:
+        raise BenchInputError(f"{flag} values must be at least 1 (got {text!r})")
+    return values
+
+
+def _tensor_parallel_size(args: argparse.Namespace) -> int:
+    if args.device == "cpu":
+        return args.tp or 1
+    if not torch.cuda.is_available():
+        raise BenchInputError("fxfuse bench model needs CUDA GPUs (use --device cpu for a smoke run of the code)")
+    gpus = torch.cuda.device_count()
+    tp = args.tp or gpus
+    if under_torchrun():
+        return tp
+    if tp > gpus:
+        raise BenchInputError(f"--tp {tp} needs {tp} GPUs (one process per GPU), but only {gpus} are present")
+    return tp
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark (spawning ranks or joining torchrun), write the reports, return the exit status."""
+    args = parse_args(argv)
+    try:
+        config, tp = config_from_args(args)
+    except BenchInputError as exc:
+        print(f"fxfuse bench model: error: {exc}", file=sys.stderr)
+        return 2
+    report = run_on_ranks(bench_rank, tp, config, device=config.device, timeout_s=1800)[0]
+    if report is None:  # a non-zero torchrun rank: rank 0 reports
+        return 0
+    report["command"] = shlex.join(["fxfuse", "bench", "model", *(argv if argv is not None else sys.argv[1:])])
+    for path in write_report(report, args.out_dir):
+        print(f"wrote {path}")
+    print(markdown(report))
+    failed = [r for r in report["results"] if r["status"] == "failed"]
+    if failed:
+        print(f"FAILED: {len(failed)} point(s) differ from eager by more than {TOLERANCE:.0e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+@torch.inference_mode()
+def bench_rank(ctx, config: ModelBenchConfig) -> dict | None:
+    """One rank's part: build, compile, capture and time every point; rank 0 returns the report."""
+    from fxfuse.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from fxfuse.models.presets import get_preset
+    from fxfuse.models.random_weights import init_random_shards
+
+    progress = Progress(ctx.rank == 0, "fxfuse bench model")
+    device = torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" else torch.device("cpu")
+    dtype = getattr(torch, config.dtype)
+    model_config = get_preset(config.preset, layers=config.layers)
+    with progress.phase(f"building {config.preset} ({config.layers} layers, random weights) on {device}"):
+        model = DeepseekV3ForCausalLM(
+            model_config, ctx, dtype=dtype, device=device, max_batch=max(config.batches), max_seq_len=config.context
+        )
+        init_random_shards(model, config.seed, ctx)
+        model.eval()
+    compiled = {backend: compile_step(model, backend) for backend in config.backends}
+    fused_kernel_ready = None
+    if "fxfuse" in compiled and device.type == "cuda":
+        import fxfuse
+
+        max_tokens = max(config.batches) * max(config.tokens)
+        fused_kernel_ready = fxfuse.prepare(ctx.group, model_config.hidden_size, dtype, max_tokens)
+
+    clock = _AgreedClock(ctx, config.time_budget_s)
+    rows, collective_rows = [], []
+    for batch in config.batches:
+        rows += _bench_batch(ctx, config, model, compiled, batch, device, clock, progress)
+        if ctx.world_size > 1:
+            collective_rows += _time_collectives(ctx, config, model_config, batch, device, clock)
+    if ctx.rank != 0:
+        return None
+    fusion = (compiled["fxfuse"] if "fxfuse" in compiled else compile_step(model, "eager")).fusion_summary()
+    return _report(config, ctx.world_size, device, rows, collective_rows, fusion, fused_kernel_ready)
+
+
+def _bench_batch(ctx, config, model, compiled: dict[str, CompiledStep], batch: int, device, clock, progress) -> list[dict]:
+    """One batch size: prepare every backend (compile, capture), check it vs eager, time all side by side."""
+    inputs = {w: _step_inputs(config, model.config.vocab_size, batch, w, device) for w in config.tokens}
+    runners: dict[str, Callable] = {}
+    outputs: dict[tuple[str, int], torch.Tensor] = {}
+    problems: dict[str, tuple[str, str]] = {}
+    for backend, step in compiled.items():
+        if clock.over_budget():
+            problems[backend] = ("skipped", "time budget spent before this backend was captured")
+            continue
+        with progress.phase(f"batch {batch}: {backend}: compiling, capturing and checking widths {list(config.tokens)}"):
+            runner, error = _prepare_runner(model, step.step, batch, config.tokens, inputs, device, outputs, backend, progress)
+        if not _all_ranks_ok(ctx, error is None):
+            problems[backend] = ("error", error or "failed on another rank")
+            progress.note(f"batch {batch}: {backend}: FAILED: {problems[backend][1]}")
+            continue
+        runners[backend] = runner
+    progress.note(f"batch {batch}: timing {len(runners)} backend(s) x {len(config.tokens)} widths, {config.repeats} rounds")
+    samples = _interleaved_samples(ctx, config, runners, inputs, device)
+    rows = []
+    for backend in config.backends:
+        for width in config.tokens:
+            row = {"batch": batch, "tokens": width, "backend": backend, "status": "ok", "step_ms": None,
+                   "step_ms_p90": None, "rel_err_vs_eager": None, "note": ""}
+            if backend in problems:
+                row["status"], row["note"] = problems[backend]
+            else:
+                times = samples[(backend, width)]
+                row["step_ms"], row["step_ms_p90"] = _max_over_ranks(ctx, [statistics.median(times), _p90(times)])
+                if "eager" in runners and backend != "eager":
+                    err = _rel_err(outputs[(backend, width)], outputs[("eager", width)])
+                    row["rel_err_vs_eager"] = _max_over_ranks(ctx, [err])[0]
+                    row["status"] = "ok" if row["rel_err_vs_eager"] <= TOLERANCE else "failed"
+                progress.note(f"  batch {batch} width {width:3d} {backend:8s} {row['step_ms']:9.3f} ms")
+            rows.append(row)
+    del runners, outputs
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _prepare_runner(model, step, batch, widths, inputs, device, outputs, backend, progress) -> tuple[Callable | None, str | None]:
+    """The step as it is timed (CUDA graphs captured on CUDA, the plain step on CPU) and its first
+    call per width into `outputs`, each on a freshly zeroed KV cache so every backend sees the same
+    cache. Returns (runner, None), or (None, a one-line error) if compiling, capturing or running failed."""
+    try:
+        runner = _captured(step, batch, widths, device, progress) if device.type == "cuda" else step
+        for width in widths:
+            model.reset_cache()
+            outputs[(backend, width)] = runner(*inputs[width]).float().clone()
+        return runner, None
+    except Exception as exc:  # noqa: BLE001 - a backend that fails is reported, the others still run
+        traceback.print_exc()
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+
+
+def _all_ranks_ok(ctx, ok: bool) -> bool:
+    """True on every rank iff `ok` on every rank (so all ranks skip a failed backend together)."""
+    return _max_over_ranks(ctx, [0.0 if ok else 1.0])[0] == 0.0
+
+
+def _step_inputs(config: ModelBenchConfig, vocab_size: int, batch: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic token ids and the last `width` positions of the cache, the same on every rank."""
+    generator = torch.Generator().manual_seed(zlib.crc32(repr((config.seed, batch, width)).encode()))
+    ids = torch.randint(0, vocab_size, (batch, width), generator=generator).to(device)
+    positions = (config.context - width + torch.arange(width)).expand(batch, -1).contiguous().to(device)
+    return ids, positions
+
+
+def _captured(step: Callable, batch: int, widths: tuple[int, ...], device: torch.device, progress: Progress) -> Callable:
+    """The step with one CUDA graph per width captured (compiling first where needed); calls replay."""
+    from fxfuse.models.cuda_graph_step import CudaGraphStep
+
+    return CudaGraphStep(step, batch, widths, device, progress=progress)
+
+
+def _interleaved_samples(ctx, config: ModelBenchConfig, runners: dict[str, Callable], inputs, device) -> dict:
+    """Milliseconds per step, `repeats` samples per (backend, width); backends alternate within each round."""
+    samples: dict[tuple[str, int], list[float]] = {(b, w): [] for b in runners for w in config.tokens}
+    order = list(runners)
+    if ctx.world_size > 1:
+        dist.barrier(group=ctx.group)
+    for round_index in range(config.repeats):
+        rotated = order[round_index % len(order):] + order[: round_index % len(order)] if order else []
+        for backend in rotated:
+            for width in config.tokens:
+                samples[(backend, width)].append(_time_calls(runners[backend], inputs[width], config.iters, device))
+    return samples
+
+
+def _time_calls(call: Callable, args: tuple, iters: int, device: torch.device) -> float:
+    """Milliseconds per call of `call(*args)`, averaged over `iters` back-to-back calls."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            call(*args)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / iters
+    began = time.perf_counter()
+    for _ in range(iters):
+        call(*args)
+    return (time.perf_counter() - began) * 1000 / iters
+
+
+def _time_collectives(ctx, config: ModelBenchConfig, model_config, batch: int, device, clock) -> list[dict]:
+    """Per width: the step's all-reduces alone ([batch * width, hidden], 2 * layers + 1 of them), in ms."""
+    count = 2 * model_config.num_hidden_layers + 1
+    rows = []
+    for width in config.tokens:
+        if clock.over_budget():
+            break
+        buffer = torch.zeros(batch * width, model_config.hidden_size, dtype=getattr(torch, config.dtype), device=device)
+
+        def all_reduces(buffer=buffer):
+            for _ in range(count):
+                dist.all_reduce(buffer, group=ctx.group)
+
+        call = all_reduces
+        if device.type == "cuda":
+            all_reduces()  # NCCL sets up its channels outside capture
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                all_reduces()
+            call = graph.replay
+        dist.barrier(group=ctx.group)
+        times = [_time_calls(call, (), config.iters, device) for _ in range(config.repeats)]
+        median_ms = _max_over_ranks(ctx, [statistics.median(times)])[0]
+        rows.append({"batch": batch, "tokens": width, "allreduces": count, "allreduce_ms": median_ms})
+    return rows
+
+
+class _AgreedClock:
+    """Wall-clock budget checks that every rank answers the same way (one all-reduce per check)."""
+
+    def __init__(self, ctx, budget_s: float | None):
+        self.ctx, self.budget_s, self.start = ctx, budget_s, time.monotonic()
+
+    def over_budget(self) -> bool:
+        """True on every rank once any rank has used up the budget (never without a budget)."""
+        if self.budget_s is None:
+            return False
+        return _max_over_ranks(self.ctx, [time.monotonic() - self.start])[0] > self.budget_s
+
+
+def _max_over_ranks(ctx, values: list[float]) -> list[float]:
+    """Element-wise maximum of `values` over the group (the values themselves at tp=1)."""
+    if ctx.world_size == 1:
+        return list(values)
+    from fxfuse.workspace import collective_device
+
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device(ctx.group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
+    return t.tolist()
+
+
+def _p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
+
+
+def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Relative L2 error ||actual - expected|| / ||expected||."""
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def _versions() -> dict[str, str]:
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": str(torch.version.cuda)}
+    for name in ("flashinfer-python", "triton", "fxfuse"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def _report(config, world_size, device, rows, collective_rows, fusion: dict, fused_kernel_ready) -> dict:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cuda = device.type == "cuda"
+    return {
+        "benchmark": "fxfuse bench model",
+        "date": now.isoformat(timespec="seconds"),
+        "stamp": now.strftime("%Y%m%d-%H%M%S"),
+        "command": "",
+        "gpu": torch.cuda.get_device_name(device) if cuda else f"cpu ({platform.processor() or platform.machine()})",
+        "world_size": world_size,
+        "device": device.type,
+        "cuda_graphs": cuda,
+        "timing": (f"CUDA-graph replay; median of {config.repeats} samples of {config.iters} replays, slowest rank"
+                   if cuda else f"CPU smoke run, wall clock; median of {config.repeats} samples of {config.iters} calls"),
+        "versions": _versions(),
+        "config": asdict(config),
+        "allreduce_sites": fusion["allreduce_sites"],
+        "fused_sites": fusion["fused_sites"],
+        "fused_kernel_ready": fused_kernel_ready,
+        "tolerance": TOLERANCE,
+        "results": rows,
+        "collectives": collective_rows,
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

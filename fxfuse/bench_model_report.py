@@ -1,0 +1,190 @@
+"""Turn `fxfuse bench model` measurements into files: JSON, a markdown table and a PNG plot.
+
+CPU-only; no measurement happens here. A report dict holds `results` rows (batch, tokens,
+backend, status "ok" / "failed" / "skipped", step_ms, step_ms_p90, rel_err_vs_eager, note) and
+`collectives` rows (batch, tokens, allreduces, allreduce_ms). `summary_rows` derives, per (batch,
+tokens), the fxfuse/inductor ratio and the share of the unfused (Inductor) step spent in the
+all-reduces alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+BACKEND_ORDER = ("eager", "inductor", "fxfuse")
+
+
+def file_stem(report: dict[str, Any]) -> str:
+    """Results file name without suffix, e.g. model_nvidia-h200_tp1_deepseek-v3-4l_20261129-091500."""
+    slug = re.sub(r"[^a-z0-9]+", "-", report["gpu"].lower()).strip("-")
+    config = report["config"]
+    return f"model_{slug}_tp{report['world_size']}_{config['preset']}-{config['layers']}l_{report['stamp']}"
+
+
+def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per (batch, tokens): each backend's median ms, fxfuse/inductor, all-reduce ms and share.
+
+    The share is the all-reduces' time over the Inductor step's (eager's if Inductor was not run);
+    None where a number is missing (tp=1 has no all-reduce).
+    """
+    medians = {(r["batch"], r["tokens"], r["backend"]): r["step_ms"] for r in report["results"]}
+    collectives = {(c["batch"], c["tokens"]): c["allreduce_ms"] for c in report["collectives"]}
+    points = sorted({(r["batch"], r["tokens"]) for r in report["results"]})
+    rows = []
+    for batch, tokens in points:
+        ms = {b: medians.get((batch, tokens, b)) for b in BACKEND_ORDER}
+        unfused = ms["inductor"] if ms["inductor"] is not None else ms["eager"]
+        allreduce_ms = collectives.get((batch, tokens))
+        rows.append({
+            "batch": batch,
+            "tokens": tokens,
+            **{f"{b}_ms": ms[b] for b in BACKEND_ORDER},
+            "fxfuse_over_inductor": _ratio(ms["fxfuse"], ms["inductor"]),
+            "allreduce_ms": allreduce_ms,
+            "allreduce_share": _ratio(allreduce_ms, unfused),
+        })
+    return rows
+
+
+def ratio_summary(rows: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Geometric mean, min and max of fxfuse/inductor over the points that have both; None if none."""
+    ratios = [r["fxfuse_over_inductor"] for r in rows if r["fxfuse_over_inductor"] is not None]
+    if not ratios:
+        return None
+    return {
+        "geomean": math.exp(sum(math.log(x) for x in ratios) / len(ratios)),
+        "min": min(ratios),
+        "max": max(ratios),
+        "points": len(ratios),
+    }
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """A markdown summary: header facts, then one row per (batch, tokens per sequence)."""
+    config = report["config"]
+    rows = summary_rows(report)
+    checked = [r["rel_err_vs_eager"] for r in report["results"] if r["rel_err_vs_eager"] is not None]
+    lines = [
+        f"# fxfuse bench model: {report['gpu']}, tp={report['world_size']}, {config['preset']} "
+        f"({config['layers']} layers), {config['dtype']}",
+        "",
+        f"- date: {report['date']}",
+        f"- command: `{report['command']}`",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
+        f"- timing: {report['timing']}; milliseconds per verify step (one forward of batch x tokens, "
+        f"attending over a {config['context']}-position KV cache)",
+        f"- all-reduce sites per step: {_or_dash(report['allreduce_sites'])}, fused by fxfuse: "
+        f"{_or_dash(report['fused_sites'])}, FlashInfer kernel ready: {_or_dash(report['fused_kernel_ready'])}",
+    ]
+    if checked:
+        lines.append(f"- check: logits vs eager on the same inputs, worst relative L2 error {max(checked):.2e} "
+                     f"(tolerance {report['tolerance']:.0e})")
+    summary = ratio_summary(rows)
+    if summary is not None:
+        lines.append(f"- fxfuse / inductor: geometric mean {summary['geomean']:.3f} over {summary['points']} points "
+                     f"(min {summary['min']:.3f}, max {summary['max']:.3f})")
+    if report["world_size"] == 1:
+        lines.append("- tp=1: the step has no all-reduce, so there is nothing to fuse; fxfuse/inductor shows what the pass costs")
+    skipped = [r for r in report["results"] if r["status"] == "skipped"]
+    if skipped:
+        lines.append(f"- {len(skipped)} point(s) skipped: {skipped[0]['note']}")
+    lines += [
+        "",
+        "| batch | tokens/seq | eager ms | inductor ms | fxfuse ms | fxfuse/inductor | all-reduce ms | all-reduce share |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ratio = "-" if r["fxfuse_over_inductor"] is None else f"{r['fxfuse_over_inductor']:.3f}"
+        share = "-" if r["allreduce_share"] is None else f"{100 * r['allreduce_share']:.1f}%"
+        lines.append(f"| {r['batch']} | {r['tokens']} | {_ms(r['eager_ms'])} | {_ms(r['inductor_ms'])} | "
+                     f"{_ms(r['fxfuse_ms'])} | {ratio} | {_ms(r['allreduce_ms'])} | {share} |")
+    failed = [r for r in report["results"] if r["status"] == "failed"]
+    if failed:
+        lines += ["", "FAILED checks: " + ", ".join(f"{r['backend']} batch {r['batch']} x {r['tokens']} "
+                                                    f"(err {r['rel_err_vs_eager']:.2e})" for r in failed)]
+    return "\n".join(lines) + "\n"
+
+
+def _or_dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def plot(report: dict[str, Any], path: Path) -> bool:
+    """Write step ms vs tokens per backend (one panel per batch) and fxfuse/inductor; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        return False
+    rows = summary_rows(report)
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches) + 1, figsize=(5 * (len(batches) + 1), 4), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for backend in BACKEND_ORDER:
+            points = [(r["tokens"], r[f"{backend}_ms"]) for r in rows if r["batch"] == batch and r[f"{backend}_ms"] is not None]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=backend)
+        _token_axis(ax, rows)
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_ylabel("ms per step (median)")
+        ax.set_title(f"batch {batch}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    ratio_ax = axes[0][-1]
+    for batch in batches:
+        points = [(r["tokens"], r["fxfuse_over_inductor"]) for r in rows
+                  if r["batch"] == batch and r["fxfuse_over_inductor"] is not None]
+        if points:
+            ratio_ax.plot(*zip(*points), marker="o", label=f"batch {batch}")
+    ratio_ax.axhline(1.0, color="gray", linewidth=1)
+    _token_axis(ratio_ax, rows)
+    ratio_ax.set_title("fxfuse / inductor")
+    ratio_ax.grid(True, which="both", alpha=0.3)
+    ratio_ax.legend(fontsize=8)
+    config = report["config"]
+    fig.suptitle(f"{report['gpu']}, tp={report['world_size']}, {config['preset']} x {config['layers']} layers, {config['dtype']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _token_axis(ax, rows: list[dict[str, Any]]) -> None:
+    """A log2 x axis labelled with the measured tokens-per-sequence values."""
+    tokens = sorted({r["tokens"] for r in rows})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(tokens, [str(t) for t in tokens])
+    ax.set_xlabel("tokens per sequence")
+
+
+def write_report(report: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Write <stem>.json (with the summary rows), <stem>.md and, with matplotlib, <stem>.png; return their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / file_stem(report)
+    rows = summary_rows(report)
+    document = {**report, "summary": rows, "fxfuse_over_inductor": ratio_summary(rows)}
+    paths = [stem.with_suffix(".json"), stem.with_suffix(".md")]
+    paths[0].write_text(json.dumps(document, indent=2) + "\n")
+    paths[1].write_text(markdown(report))
+    if plot(report, stem.with_suffix(".png")):
+        paths.append(stem.with_suffix(".png"))
+    return paths

@@ -1,0 +1,55 @@
+"""How a model step is compiled for the runner and the model benchmark: eager, Inductor or fxfuse.
+
+`compile_step(model, backend)` returns a `CompiledStep`: the callable that runs one forward
+(`step(input_ids, positions)`), and for backend "fxfuse" the `FxfuseBackend` object whose
+records say what the fusion pass found (`CompiledStep.fusion_summary()`). All compiled variants
+use `fullgraph=True` (a graph break fails loudly) and dynamic shapes, so one graph serves many
+batch sizes and step widths (torch still specializes sizes of 1: a 1-token step or a batch of 1
+gets its own graph).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+#: Backends a step can be compiled with.
+BACKENDS = ("eager", "inductor", "fxfuse")
+
+
+@dataclass
+class CompiledStep:
+    """A model step and, for backend "fxfuse", the backend object that compiled it."""
+
+    backend: str
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    fxfuse_backend: object | None = None
+
+    def fusion_summary(self) -> dict[str, int | None]:
+        """`fxfuse.backend.fusion_summary` of the fxfuse backend (the last compiled graph's
+        all-reduce and fused sites, merged pairs, graphs compiled); all None for other backends."""
+        if self.fxfuse_backend is None:
+            return {"allreduce_sites": None, "fused_sites": None, "merged": None, "graphs_compiled": None}
+        from fxfuse.backend import fusion_summary
+
+        return fusion_summary(self.fxfuse_backend)
+
+
+def compile_step(model: torch.nn.Module, backend: str) -> CompiledStep:
+    """Wrap `model` for `backend`: the module itself (eager), or torch.compile with Inductor or fxfuse.
+
+    Compilation happens lazily, on the first call with each new shape class.
+    """
+    if backend == "eager":
+        return CompiledStep(backend, model)
+    if backend == "inductor":
+        return CompiledStep(backend, torch.compile(model, backend="inductor", fullgraph=True, dynamic=True))
+    if backend == "fxfuse":
+        from fxfuse.backend import FxfuseBackend
+
+        fxfuse_backend = FxfuseBackend()
+        step = torch.compile(model, backend=fxfuse_backend, fullgraph=True, dynamic=True)
+        return CompiledStep(backend, step, fxfuse_backend)
+    raise ValueError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")

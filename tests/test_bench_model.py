@@ -1,0 +1,107 @@
+"""CPU tests of `fxfuse bench model`: input errors, the smoke run on 2 gloo ranks, failure handling and
+the report writer (ratios, all-reduce share, files). The CUDA-graph timing itself runs on a GPU
+(scripts/gpu_check_model.sh)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fxfuse.bench_model import main
+from fxfuse.bench_model_report import markdown, ratio_summary, summary_rows, write_report
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "needs CUDA GPUs (use --device cpu"),
+        (["--device", "cpu", "--backends", "eager,tvm"], "unknown backends ['tvm']"),
+        (["--device", "cpu", "--tokens", "1,256"], "--tokens must be at most 128"),
+        (["--device", "cpu", "--tokens", "64", "--context", "32"], "does not fit a KV cache of --context 32"),
+        (["--device", "cpu", "--preset", "nope"], "unknown preset 'nope'"),
+        (["--device", "cpu", "--layers", "62"], "--layers must be between 1 and 61"),
+        (["--device", "cpu", "--tp", "3"], "tensor parallel size 3 does not divide"),
+        (["--device", "cpu", "--batch", "0"], "--batch values must be at least 1"),
+    ],
+)
+def test_bad_input_exits_2_with_a_message(argv, message, capsys):
+    if not argv and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cpu_smoke_run_writes_a_report(tmp_path):
+    """Two gloo ranks, the tiny model cut to 1 layer, eager only: rows per point, collectives timed."""
+    argv = ["--device", "cpu", "--preset", "tiny", "--layers", "1", "--tp", "2", "--tokens", "1,2", "--batch", "2",
+            "--backends", "eager", "--repeats", "2", "--iters", "1", "--context", "16", "--out-dir", str(tmp_path)]
+    assert main(argv) == 0
+    (json_path,) = tmp_path.glob("model_cpu-*_tp2_tiny-1l_*.json")
+    report = json.loads(json_path.read_text())
+    assert report["command"].startswith("fxfuse bench model --device cpu")
+    assert report["world_size"] == 2 and report["cuda_graphs"] is False
+    assert [(r["batch"], r["tokens"], r["backend"], r["status"]) for r in report["results"]] == [
+        (2, 1, "eager", "ok"), (2, 2, "eager", "ok")]
+    assert all(r["step_ms"] > 0 for r in report["results"])
+    assert [(c["tokens"], c["allreduces"]) for c in report["collectives"]] == [(1, 3), (2, 3)]  # 1 + 2 * layers
+    assert [row["allreduce_share"] > 0 for row in report["summary"]] == [True, True]
+    assert json_path.with_suffix(".md").exists()
+
+
+def test_a_failing_backend_is_reported_not_fatal():
+    from fxfuse.bench_model import _prepare_runner
+
+    class Model:
+        def reset_cache(self):
+            pass
+
+    def broken_step(ids, positions):
+        raise RuntimeError("lowering failed\nsecond line")
+
+    inputs = {1: (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))}
+    runner, error = _prepare_runner(Model(), broken_step, 1, (1,), inputs, torch.device("cpu"), {}, "inductor", None)
+    assert runner is None and error == "RuntimeError: lowering failed"
+
+
+def fake_report(world_size=2):
+    """Two points at batch 1; fxfuse 10% faster than inductor at 4 tokens, equal at 1."""
+    times = {1: (10.0, 4.0, 4.0), 4: (12.0, 5.0, 4.5)}
+    results = [
+        {"batch": 1, "tokens": tokens, "backend": backend, "status": "ok", "step_ms": ms, "step_ms_p90": ms,
+         "rel_err_vs_eager": None if backend == "eager" else 3e-3, "note": ""}
+        for tokens, row in times.items() for backend, ms in zip(("eager", "inductor", "fxfuse"), row)
+    ]
+    collectives = [{"batch": 1, "tokens": t, "allreduces": 9, "allreduce_ms": 1.0} for t in times] if world_size > 1 else []
+    return {
+        "gpu": "NVIDIA H200", "world_size": world_size, "stamp": "20261129-090000", "date": "2026-11-29T09:00:00+00:00",
+        "command": "fxfuse bench model", "versions": {"torch": "2.11.0"}, "timing": "CUDA-graph replay",
+        "config": {"preset": "deepseek-v3", "layers": 4, "dtype": "bfloat16", "context": 1024},
+        "allreduce_sites": 9 if world_size > 1 else 0, "fused_sites": 9 if world_size > 1 else 0,
+        "fused_kernel_ready": world_size > 1, "tolerance": 0.1, "results": results, "collectives": collectives,
+    }
+
+
+def test_summary_rows_give_ratio_and_all_reduce_share():
+    rows = summary_rows(fake_report())
+    assert [(r["tokens"], r["fxfuse_over_inductor"], r["allreduce_share"]) for r in rows] == [
+        (1, 1.0, 0.25), (4, pytest.approx(0.9), 0.2)]
+    summary = ratio_summary(rows)
+    assert summary["geomean"] == pytest.approx((1.0 * 0.9) ** 0.5)
+    assert (summary["min"], summary["max"], summary["points"]) == (pytest.approx(0.9), 1.0, 2)
+
+
+def test_markdown_states_tp1_and_has_one_row_per_point():
+    text = markdown(fake_report(world_size=1))
+    assert "tp=1: the step has no all-reduce" in text
+    assert "| 1 | 4 | 12.000 | 5.000 | 4.500 | 0.900 | - | - |" in text
+    assert "geometric mean 0.949" in text
+
+
+def test_write_report_files(tmp_path):
+    paths = write_report(fake_report(), tmp_path)
+    assert paths[0].name == "model_nvidia-h200_tp2_deepseek-v3-4l_20261129-090000.json"
+    document = json.loads(paths[0].read_text())
+    assert document["fxfuse_over_inductor"]["points"] == 2 and len(document["summary"]) == 2
+    assert "| 1 | 1 | 10.000 | 4.000 | 4.000 | 1.000 | 1.000 | 25.0% |" in paths[1].read_text()
