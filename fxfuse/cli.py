@@ -17,6 +17,8 @@ RUN_DESCRIPTION = """\
 Run a tensor-parallel DeepSeek-V3: prefill a random prompt, then greedy speculative-verify steps
 of --tokens tokens per sequence, and print a summary. With no arguments: the tiny preset with
 deterministic random weights, tensor parallel over 2 CPU processes (gloo), eager backend.
+On --device cuda (NCCL, one process per GPU) the step is captured in one CUDA graph per width
+bucket (--graph-widths) and replayed; other widths run uncaptured.
 """
 
 
@@ -32,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 BENCHMARKS = {
     "kernel": ("fxfuse.bench_kernel", "fused op vs unfused all-reduce + add-RMSNorm, per token count (CUDA)"),
+    "model": ("fxfuse.bench_model", "DeepSeek-V3 verify-step latency: eager vs inductor vs fxfuse, CUDA graphs"),
 }
 
 
@@ -75,6 +78,10 @@ def _add_run_parser(commands) -> None:
     p.add_argument("--steps", type=int, default=d.steps, help=f"decode/verify steps after the prefill (default {d.steps})")
     p.add_argument("--compare", choices=COMPARE_TARGETS, default=d.compare,
                    help="check logits of every step against: the eager model, or transformers' DeepseekV3ForCausalLM")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture the step in CUDA graphs and replay them (default: on for --device cuda)")
+    p.add_argument("--graph-widths", type=_int_list, default=d.graph_widths, metavar="W,W,...",
+                   help=f"step widths (tokens per sequence) that get a CUDA graph (default {','.join(map(str, d.graph_widths))})")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the random weights and prompt")
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON to PATH")
     p.set_defaults(handler=_run_command)
@@ -88,8 +95,11 @@ def _run_command(args) -> int:
         preset=preset, checkpoint=args.checkpoint, layers=args.layers, tp=args.tp, device=args.device,
         backend=args.backend, dtype=args.dtype, batch=args.batch, prompt_len=args.prompt_len,
         tokens_per_step=args.tokens_per_step, steps=args.steps, compare=args.compare, seed=args.seed,
+        cuda_graph=args.cuda_graph, graph_widths=args.graph_widths,
     )
     summary = run(options)
+    if summary["rank"] != 0:  # a torchrun rank other than 0: rank 0 reports
+        return 0
     print(format_run_summary(summary))
     if args.json:
         with open(args.json, "w") as f:
@@ -99,18 +109,33 @@ def _run_command(args) -> int:
 
 def format_run_summary(summary: dict) -> str:
     """A few human-readable lines for a run summary dict."""
-    err = summary["max_rel_err"]
-    step = summary["step_ms"]
+    step, p90, rate = summary["step_ms"], summary["step_ms_p90"], summary["tokens_per_s"]
+    graphs = f"CUDA graphs for widths {summary['graph_widths']}" if summary["cuda_graph"] else "no CUDA graphs"
+    timing = "-" if step is None else f"{step:.2f} ms median, {p90:.2f} ms p90, {rate:,.0f} tokens/s"
     lines = [
         f"model {summary['model']} ({summary['layers']} layers), tp={summary['tp']} on {summary['device']}, "
-        f"backend {summary['backend']}, {summary['dtype']}",
+        f"backend {summary['backend']}, {summary['dtype']}, {graphs}",
         f"batch {summary['batch']}, prompt {summary['prompt_len']}, {summary['steps']} steps of "
-        f"{summary['tokens_per_step']} tokens: step {'-' if step is None else f'{step:.2f} ms'} (median)",
-        f"tokens (sequence 0): {summary['tokens']}",
+        f"{summary['tokens_per_step']} tokens: step {timing}",
     ]
+    if summary["peak_gpu_mem_gb"] is not None:
+        lines.append(f"peak GPU memory (rank 0): {summary['peak_gpu_mem_gb']:.2f} GB")
+    if summary["fused_sites"] is not None:
+        kernel = {True: "FlashInfer kernel ready", False: "FlashInfer kernel not used", None: "CPU reference kernel"}
+        lines.append(f"fused sites {summary['fused_sites']} of {summary['allreduce_sites']} all-reduce sites "
+                     f"({kernel[summary['fused_kernel_ready']]})")
+    lines.append(f"tokens (sequence 0): {summary['tokens']}")
     if summary["compare"] != "none":
-        lines.append(f"max relative error vs {summary['compare']}: {err:.3e}")
+        lines.append(f"max relative error vs {summary['compare']}: {summary['max_rel_err']:.3e}")
     return "\n".join(lines)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    """Parse `1,2,4` into (1, 2, 4) for argparse."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

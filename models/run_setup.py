@@ -1,10 +1,11 @@
 """Validation and construction for the runner: what `fxfuse run` checks before any rank starts.
 
 `prepare_run(options)` turns command-line options into a `RunSetup` (resolved config, weight
-source, model name) or raises `RunError` with a message that names the problem: unknown preset,
-unreadable checkpoint, tp size that does not divide the model, CUDA asked where there is none,
-more GPUs asked than present, bad backend or dtype. `RunSetup` then builds the model and the
-comparison reference on each rank.
+source, model name, whether and for which widths CUDA graphs are captured) or raises `RunError`
+with a message that names the problem: unknown preset, unreadable checkpoint, tp size that does
+not divide the model, CUDA asked where there is none, more GPUs asked than present, bad backend or
+dtype, CUDA graphs without CUDA, a step width above 128 or a KV cache longer than the model
+allows. `RunSetup` then builds the model and the comparison reference on each rank.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from fxfuse.models.presets import PRESETS, get_preset
 from fxfuse.models.random_weights import init_random_shards, random_hf_state_dict
 from fxfuse.models.weights import DictSource, SafetensorsSource, load_weights
 
+#: Widest step (tokens per sequence) the runner takes, with or without a CUDA graph.
+MAX_STEP_WIDTH = 128
+
 #: Above this many parameters, random weights are generated per shard (not as one full state dict).
 FULL_RANDOM_STATE_LIMIT = 500_000_000
 
@@ -38,12 +42,14 @@ class RunSetup:
     config: ModelConfig
     model_name: str
     full_random_state: bool
+    cuda_graph: bool = False
+    graph_widths: tuple[int, ...] = ()
 
     @property
     def max_seq_len(self) -> int:
-        """KV-cache length: the prompt plus every verify step, with one step of slack."""
-        o = self.options
-        return o.prompt_len + (o.steps + 1) * o.tokens_per_step + 1
+        """KV-cache length: the prompt plus every verify step with one step of slack, and at
+        least the widest captured graph (capture writes positions 0..width-1)."""
+        return needed_cache_len(self.options, self.graph_widths)
 
     def build_model(self, ctx: ParallelContext, device: torch.device) -> DeepseekV3ForCausalLM:
         """This rank's shard of the model, weights loaded (checkpoint or deterministic random)."""
@@ -79,7 +85,10 @@ def prepare_run(options) -> RunSetup:
             raise RunError(f"{flag} must be at least 1 (got {getattr(options, name)})")
     if options.steps < 0:
         raise RunError(f"--steps must be >= 0 (got {options.steps})")
+    if options.tokens_per_step > MAX_STEP_WIDTH:
+        raise RunError(f"--tokens must be at most {MAX_STEP_WIDTH} (got {options.tokens_per_step})")
     _check_device(options.device, options.tp)
+    cuda_graph, graph_widths = _graph_plan(options)
     if bool(options.checkpoint) == bool(options.preset):
         raise RunError("give exactly one of --preset NAME or --checkpoint DIR")
     if options.checkpoint:
@@ -94,10 +103,37 @@ def prepare_run(options) -> RunSetup:
         config.check_tensor_parallel(options.tp)
     except ValueError as exc:
         raise RunError(str(exc)) from exc
+    cache_len = needed_cache_len(options, graph_widths)
+    if cache_len > config.max_position_embeddings:
+        raise RunError(
+            f"the KV cache would need {cache_len} positions (prompt {options.prompt_len} + {options.steps} steps of "
+            f"{options.tokens_per_step} tokens, or the widest CUDA graph), more than the model's "
+            f"max_position_embeddings ({config.max_position_embeddings})"
+        )
     full_random = not options.checkpoint and config.num_parameters() <= FULL_RANDOM_STATE_LIMIT
     if options.compare == "hf" and not (options.checkpoint or full_random):
         raise RunError(f"--compare hf needs a checkpoint or a model under {FULL_RANDOM_STATE_LIMIT:,} parameters")
-    return RunSetup(options=options, config=config, model_name=name, full_random_state=full_random)
+    return RunSetup(
+        options=options, config=config, model_name=name, full_random_state=full_random,
+        cuda_graph=cuda_graph, graph_widths=graph_widths,
+    )
+
+
+def needed_cache_len(options, graph_widths: tuple[int, ...]) -> int:
+    """KV-cache positions a run needs: prompt, every step plus one of slack, the widest graph."""
+    steps_len = options.prompt_len + (options.steps + 1) * options.tokens_per_step + 1
+    return max(steps_len, max(graph_widths, default=0))
+
+
+def _graph_plan(options) -> tuple[bool, tuple[int, ...]]:
+    """(capture CUDA graphs?, widths to capture): on by default for cuda, refused on cpu."""
+    cuda_graph = options.device == "cuda" if options.cuda_graph is None else options.cuda_graph
+    if cuda_graph and options.device != "cuda":
+        raise RunError("--cuda-graph needs --device cuda (CUDA graphs capture GPU work)")
+    widths = tuple(sorted(set(options.graph_widths)))
+    if not widths or not all(1 <= w <= MAX_STEP_WIDTH for w in widths):
+        raise RunError(f"--graph-widths must be widths between 1 and {MAX_STEP_WIDTH} (got {list(options.graph_widths)})")
+    return cuda_graph, widths if cuda_graph else ()
 
 
 def _dtype(name: str) -> torch.dtype:

@@ -1,10 +1,12 @@
-"""The model runner behind `fxfuse run`: build, load, compile and step a tensor-parallel DeepSeek-V3.
+"""The model runner behind `fxfuse run`: build, load, compile, capture and step a tensor-parallel DeepSeek-V3.
 
 `run(options)` validates everything it can in the launching process (preset, checkpoint, tp
-size, device), then starts one process per rank (or joins torchrun), and on each rank: builds the
-model, loads weights (checkpoint, or deterministic random weights), compiles the step with the
-chosen backend, prefills a random prompt and runs greedy speculative verify steps of
-`tokens_per_step` tokens. It returns rank 0's summary (the `--json` document).
+size, device, step and graph widths), then starts one process per rank (or joins torchrun), and
+on each rank: builds the model, loads weights (checkpoint, or deterministic random weights),
+compiles the step with the chosen backend, on CUDA captures one CUDA graph per step-width bucket
+(after `fxfuse.prepare` for backend fxfuse), prefills a random prompt and runs greedy speculative
+verify steps of `tokens_per_step` tokens. It returns rank 0's summary (the `--json` document).
+Rank 0 reports progress of the long phases on stderr.
 """
 
 from __future__ import annotations
@@ -16,18 +18,26 @@ from dataclasses import asdict, dataclass
 import torch
 
 from fxfuse.launch import run_on_ranks
+from fxfuse.models.cuda_graph_step import DEFAULT_WIDTHS, CudaGraphStep
 from fxfuse.models.parallel import ParallelContext
+from fxfuse.models.progress import Progress
 from fxfuse.models.run_setup import RunSetup, prepare_run
 from fxfuse.models.speculative import accepted_length, next_drafts
+from fxfuse.models.step_backends import BACKENDS, compile_step
 
-BACKENDS = ("eager", "inductor", "fxfuse")
+__all__ = ["BACKENDS", "COMPARE_TARGETS", "DTYPES", "RunOptions", "run", "run_rank"]
+
 COMPARE_TARGETS = ("none", "eager", "hf")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
 class RunOptions:
-    """Everything `fxfuse run` takes; defaults are the README's built-in job."""
+    """Everything `fxfuse run` takes; defaults are the README's built-in job.
+
+    `cuda_graph` None means: on for device cuda, off for cpu. `graph_widths` are the step widths
+    (tokens per sequence) that get a captured graph; other widths run uncaptured.
+    """
 
     preset: str | None = "tiny"
     checkpoint: str | None = None
@@ -42,46 +52,68 @@ class RunOptions:
     steps: int = 4
     compare: str = "none"
     seed: int = 0
+    cuda_graph: bool | None = None
+    graph_widths: tuple[int, ...] = DEFAULT_WIDTHS
 
 
 def run(options: RunOptions) -> dict:
-    """Run the job described by `options` on `options.tp` ranks and return rank 0's summary."""
+    """Run the job described by `options` on `options.tp` ranks and return this process's summary.
+
+    Spawned ranks: rank 0's summary. Under torchrun: this process's own (its `rank` field says which).
+    """
     setup = prepare_run(options)
     results = run_on_ranks(run_rank, options.tp, setup, device=options.device)
     return results[0]
 
 
+@torch.inference_mode()
 def run_rank(ctx: ParallelContext, setup: RunSetup) -> dict:
     """One rank's share of `run`: returns this rank's summary dict (rank 0's is the report)."""
     options = setup.options
+    progress = Progress(ctx.rank == 0, "fxfuse run")
     device = _rank_device(options.device)
-    model = setup.build_model(ctx, device)
-    step = _compile(model, options.backend)
-    reference = setup.build_reference(ctx, device) if options.compare != "none" else None
+    weights = "checkpoint" if options.checkpoint else "random"
+    with progress.phase(f"building {setup.model_name} ({setup.config.num_hidden_layers} layers, {weights} weights) on {device}"):
+        model = setup.build_model(ctx, device)
+    compiled = compile_step(model, options.backend)
+    fused_kernel_ready = _prepare_fused_kernel(ctx, setup, device) if options.backend == "fxfuse" else None
+    step = compiled.step
+    if setup.cuda_graph:
+        with progress.phase(f"{options.backend}: compiling and capturing CUDA graphs for widths {list(setup.graph_widths)}"):
+            step = CudaGraphStep(compiled.step, options.batch, setup.graph_widths, device, progress=progress)
+    reference = None
+    if options.compare != "none":
+        with progress.phase(f"building the --compare {options.compare} reference"):
+            reference = setup.build_reference(ctx, device)
 
     generator = torch.Generator().manual_seed(options.seed)
     prompt = torch.randint(0, setup.config.vocab_size, (options.batch, options.prompt_len), generator=generator)
-    positions = torch.arange(options.prompt_len).expand(options.batch, -1)
+    positions = torch.arange(options.prompt_len).repeat(options.batch, 1)  # contiguous like every step's: no stride recompile
     errors: list[float | None] = []
-    logits = _forward(step, prompt, positions, device)
+    with progress.phase(f"prefill of {options.batch} x {options.prompt_len} tokens"):
+        logits = _forward(step, prompt, positions, device)
     if reference is not None:
         errors.append(reference.relative_error(prompt, positions, logits))
 
     width = options.tokens_per_step
-    last = logits[:, -1].argmax(-1).cpu()
+    last = logits[:, -1].argmax(-1)
     position = torch.full((options.batch,), options.prompt_len, dtype=torch.long)
     drafts = last.unsqueeze(1).expand(-1, width - 1).clone()
     generated: list[list[int]] = [[int(t)] for t in last]
     step_seconds: list[float] = []
+    if options.steps:
+        # One untimed call of the first step (it compiles, if that width has not been run yet): it
+        # writes the same cache positions with the same values as the real first step after it.
+        _forward(step, torch.cat([last.unsqueeze(1), drafts], dim=1), position.unsqueeze(1) + torch.arange(width), device)
+    progress.note(f"{options.steps} verify steps of {options.batch} x {width} tokens")
     for _ in range(options.steps):
         input_ids = torch.cat([last.unsqueeze(1), drafts], dim=1)
         step_positions = position.unsqueeze(1) + torch.arange(width)
-        start = time.perf_counter()
-        logits = _forward(step, input_ids, step_positions, device)
-        step_seconds.append(time.perf_counter() - start)
+        logits, seconds = _timed_forward(step, input_ids, step_positions, device)
+        step_seconds.append(seconds)
         if reference is not None:
             errors.append(reference.relative_error(input_ids, step_positions, logits))
-        predicted = logits.argmax(-1).cpu()
+        predicted = logits.argmax(-1)
         accepted = accepted_length(drafts, predicted)
         for b in range(options.batch):
             k = int(accepted[b])
@@ -91,6 +123,7 @@ def run_rank(ctx: ParallelContext, setup: RunSetup) -> dict:
         position = position + accepted + 1
         drafts = next_drafts(predicted, accepted, width)
 
+    step_ms = 1000 * statistics.median(step_seconds) if step_seconds else None
     return {
         "rank": ctx.rank,
         "tp": ctx.world_size,
@@ -103,9 +136,17 @@ def run_rank(ctx: ParallelContext, setup: RunSetup) -> dict:
         "prompt_len": options.prompt_len,
         "tokens_per_step": width,
         "steps": options.steps,
+        "cuda_graph": setup.cuda_graph,
+        "graph_widths": list(setup.graph_widths),
+        "step_replayed": setup.cuda_graph and width in setup.graph_widths,
         "compare": options.compare,
         "max_rel_err": max((e for e in errors if e is not None), default=None),
-        "step_ms": 1000 * statistics.median(step_seconds) if step_seconds else None,
+        "step_ms": step_ms,
+        "step_ms_p90": 1000 * _percentile(step_seconds, 0.9) if step_seconds else None,
+        "tokens_per_s": options.batch * width * 1000 / step_ms if step_ms else None,
+        "peak_gpu_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
+        **compiled.fusion_summary(),
+        "fused_kernel_ready": fused_kernel_ready,
         "tokens": generated[0],
         "options": asdict(options),
     }
@@ -117,15 +158,46 @@ def _rank_device(device: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _compile(model: torch.nn.Module, backend: str):
-    if backend == "eager":
-        return model
-    return torch.compile(model, backend=backend, fullgraph=True, dynamic=True)
+def _prepare_fused_kernel(ctx: ParallelContext, setup: RunSetup, device: torch.device) -> bool | None:
+    """`fxfuse.prepare` on CUDA (before any capture), sized for the widest graph and the prefill.
+
+    Returns whether the FlashInfer kernel is ready (False at tp=1 or where it cannot run); None on CPU.
+    """
+    if device.type != "cuda":
+        return None
+    import fxfuse
+
+    o = setup.options
+    max_tokens = o.batch * max(o.prompt_len, o.tokens_per_step, *setup.graph_widths)
+    return fxfuse.prepare(ctx.group, setup.config.hidden_size, DTYPES[o.dtype], max_tokens)
 
 
-@torch.inference_mode()
+def _percentile(values: list[float], q: float) -> float:
+    """The q-quantile of `values` (linear interpolation between order statistics)."""
+    ordered = sorted(values)
+    index = q * (len(ordered) - 1)
+    low = int(index)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (index - low)
+
+
 def _forward(step, input_ids: torch.Tensor, positions: torch.Tensor, device: torch.device) -> torch.Tensor:
-    logits = step(input_ids.to(device), positions.to(device))
+    """One step on `device`; returns float32 logits on the CPU."""
+    return _timed_forward(step, input_ids, positions, device)[0]
+
+
+def _timed_forward(step, input_ids: torch.Tensor, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, float]:
+    """One step; returns (float32 logits on the CPU, seconds from the inputs on the device to the
+    logits computed there: the copy of the logits back to the host is not timed)."""
+    input_ids, positions = input_ids.to(device), positions.to(device)
+    _synchronize(device)
+    start = time.perf_counter()
+    logits = step(input_ids, positions)
+    _synchronize(device)
+    seconds = time.perf_counter() - start
+    return logits.float().cpu(), seconds
+
+
+def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return logits.float().cpu()
