@@ -38,6 +38,12 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 KERNEL_ACCESS_BYTES = 16
 #: One token is handled by at most a cluster of 8 blocks of 1024 threads, one access each.
 MAX_ACCESSES_PER_TOKEN = 8 * 1024
+#: Largest thread-block cluster the kernel launches (the portable maximum on Hopper and Blackwell).
+MAX_CLUSTER_SIZE = 8
+#: The kernel grows blocks to at least this many threads before it stops shrinking the cluster.
+MIN_THREADS_PER_BLOCK = 128
+#: The kernel's RMSNorm block reduction (FlashInfer <= 0.6.x) assumes every warp is full.
+WARP_SIZE = 32
 #: Largest one-shot (Lamport) exchange FlashInfer accepts: INT32_MAX rounded down to 2 MiB.
 MAX_ONESHOT_COMM_BYTES = 2147483647 & ~((1 << 21) - 1)
 #: FlashInfer's own one-shot heuristic (`_use_oneshot_heuristics`, measured on B200): one-shot while
@@ -148,7 +154,28 @@ def unsupported_reason(problem: FusionProblem, settings: FusionSettings) -> str 
         return f"hidden size {problem.hidden_size} is not a multiple of {elems_per_access} elements (16 bytes)"
     if problem.hidden_size // elems_per_access > MAX_ACCESSES_PER_TOKEN:
         return f"hidden size {problem.hidden_size} too large for the kernel's launch shape"
+    threads = kernel_threads_per_block(problem.hidden_size // elems_per_access)
+    if threads % WARP_SIZE:
+        return (
+            f"hidden size {problem.hidden_size} gives {threads}-thread blocks; the kernel's norm reduction "
+            f"needs whole warps of {WARP_SIZE}"
+        )
     return None
+
+
+def kernel_threads_per_block(accesses_per_token: int) -> int:
+    """Threads per block of the fusion kernel's launch for one token of `accesses_per_token` accesses.
+
+    Mirrors the kernel's launch shape: the largest power-of-two cluster (<= 8 blocks) that divides
+    the token's accesses, then fewer, larger blocks until a block has at least 128 threads.
+    """
+    cluster = MAX_CLUSTER_SIZE
+    while accesses_per_token % cluster and cluster > 1:
+        cluster //= 2
+    threads = accesses_per_token // cluster
+    while threads < MIN_THREADS_PER_BLOCK and cluster >= 2:
+        threads, cluster = threads * 2, cluster // 2
+    return threads
 
 
 def feasible_modes(problem: FusionProblem) -> tuple[FusionMode, ...]:

@@ -17,6 +17,7 @@ from fxfuse.fusion_policy import (
     FusionSettings,
     decide,
     feasible_modes,
+    kernel_threads_per_block,
     flashinfer_prefers_oneshot,
     settings_from_env,
 )
@@ -86,8 +87,22 @@ def test_supported_arches_and_dtypes_fuse():
 
 
 def test_fp16_alignment_uses_its_element_size():
-    assert decide(problem(hidden_size=4104), AUTO).fused  # 4104 = 513 * 8 elements of 2 bytes
-    assert not decide(problem(hidden_size=4100), AUTO).fused
+    assert decide(problem(hidden_size=5120), AUTO).fused  # 5120 = 640 accesses of 8 two-byte elements
+    assert "multiple of 8" in decide(problem(hidden_size=5124), AUTO).reason
+
+
+@pytest.mark.parametrize("hidden, threads", [(2048, 128), (4096, 128), (5120, 160), (7168, 224), (8192, 128)])
+def test_real_model_widths_launch_whole_warps(hidden, threads):
+    assert kernel_threads_per_block(hidden // 8) == threads
+    assert decide(problem(hidden_size=hidden), AUTO).fused
+
+
+@pytest.mark.parametrize("hidden, threads", [(64, 8), (4104, 513), (9216, 144)])
+def test_partial_warp_launch_shapes_fall_back(hidden, threads):
+    """The kernel's block reduction (FlashInfer <= 0.6.x) is wrong for blocks of partial warps."""
+    assert kernel_threads_per_block(hidden // 8) == threads
+    decision = decide(problem(hidden_size=hidden), AUTO)
+    assert not decision.fused and f"{threads}-thread blocks" in decision.reason
 
 
 # --- one-shot / two-shot without a table: FlashInfer's heuristic ---------------------------
