@@ -18,7 +18,8 @@ work, which a CUDA graph cannot record (with NCCL, one GPU per rank, it could be
 compares final hidden states; every fused site's error flows into them. For the same reason an
 all-reduce left unfused could not be captured: the test then reports the graph around it.
 
-Cases: the tiny preset (hidden 64, 4 layers), and "deepseek-width": 3 layers (1 dense + 2 MoE) of
+Cases: the tiny preset widened to hidden 256 (4 layers; at the preset's hidden 64 the kernel would
+launch 8-thread blocks, which the fusion policy refuses: its norm reduction needs whole warps), and "deepseek-width": 3 layers (1 dense + 2 MoE) of
 DeepSeek-V3's real width (hidden 7168, 128 heads, MLA ranks, dense and expert FFN sizes, vocab),
 with 8 routed experts instead of 256 to keep memory and time small. In both, every expert is
 routed (top-k = number of experts, one group), so bf16 rounding differences between the fused and
@@ -74,7 +75,8 @@ def case_config(case: str):
 
     every_expert_routed = dict(n_group=1, topk_group=1)
     if case == "tiny":
-        return replace(get_preset("tiny"), num_experts_per_tok=get_preset("tiny").n_routed_experts, **every_expert_routed)
+        tiny = get_preset("tiny")
+        return replace(tiny, hidden_size=256, num_experts_per_tok=tiny.n_routed_experts, **every_expert_routed)
     return replace(
         get_preset("deepseek-v3", layers=3), first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=8, **every_expert_routed
     )
