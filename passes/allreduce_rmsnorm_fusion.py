@@ -19,6 +19,7 @@ traced from the functions below with torch's pattern matcher, once per process g
 the graph, so the group name is part of the pattern. `extra_check` refuses sites the fused op cannot
 reproduce (`site_refusal` says why): dtypes that differ, a residual or weight that is not a
 same-shape tensor / a hidden-size vector, an eps tensor that is not a CPU scalar.
+`explain_unfused(node, config)` says why an all-reduce left in a rewritten graph was not fused.
 """
 
 from __future__ import annotations
@@ -29,12 +30,21 @@ from collections.abc import Callable
 import torch
 import torch.fx
 import torch.nn.functional as F
-from torch._inductor.pattern_matcher import Match, PatternMatcherPass, register_replacement, stable_topological_sort
+from torch._inductor.pattern_matcher import (
+    Match,
+    PatternExpr,
+    PatternMatcherPass,
+    fx_to_pattern,
+    is_match,
+    register_replacement,
+    stable_topological_sort,
+)
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxfuse.ops import allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps
 from fxfuse.passes.config import ALLREDUCE_RESIDUAL_RMSNORM, ALLREDUCE_RMSNORM, PassConfig
 from fxfuse.passes.pattern_support import (
+    WAIT_TENSOR,
     allreduce_sum,
     example_tensor,
     matched_tensor,
@@ -142,22 +152,33 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _matched_eps(match: Match) -> float | torch.Tensor | None:
-    """The eps bound by a match: a float constant, or the fake tensor of the node that feeds it."""
-    eps = match.kwargs.get("eps")
+    """The eps bound by a match: a float constant, or the fake tensor of the node that feeds it.
+
+    torch 2.11 runs extra_check on a match of the pattern re-traced with the site's own arguments,
+    where a float eps is a literal of the pattern rather than an argument: no "eps" then means a
+    float constant.
+    """
+    if "eps" not in match.kwargs:
+        return 0.0
+    eps = match.kwargs["eps"]
     if isinstance(eps, (int, float)):
         return float(eps)
     return matched_tensor(match, "eps")
 
 
-def fusible_site(match: Match) -> bool:
-    """extra_check: the matched site is one the fused op reproduces (`site_refusal` is None)."""
+def fusible_site(match: Match, with_residual: bool) -> bool:
+    """extra_check: the matched site is one the fused op reproduces (`site_refusal` is None).
+
+    `with_residual` says which pattern matched (1: True, 2: False): it is not read from the match,
+    whose arguments can be pattern literals on some torch versions (a scalar "residual" among them).
+    """
     return (
         site_refusal(
             matched_tensor(match, "x"),
             matched_tensor(match, "weight"),
             _matched_eps(match),
             matched_tensor(match, "residual"),
-            with_residual="residual" in match.kwargs,
+            with_residual,
         )
         is None
     )
@@ -170,7 +191,9 @@ def fused_call(x, residual, weight, eps, group_name: str):
     return allreduce_residual_rmsnorm(x, residual, weight, eps, group_name)
 
 
-def _register(pass_: PatternMatcherPass, search: Callable, replacement: Callable, examples: list[torch.Tensor]) -> None:
+def _register(
+    pass_: PatternMatcherPass, search: Callable, replacement: Callable, examples: list[torch.Tensor], with_residual: bool
+) -> None:
     """Trace `search` -> `replacement` into `pass_`, checked by `fusible_site`, eps bound per site."""
     register_replacement(
         search,
@@ -178,7 +201,7 @@ def _register(pass_: PatternMatcherPass, search: Callable, replacement: Callable
         examples,
         trace_functional,
         pass_,
-        extra_check=fusible_site,
+        extra_check=functools.partial(fusible_site, with_residual=with_residual),
         scalar_workaround={"eps": EPS_PLACEHOLDER},
     )
 
@@ -198,8 +221,8 @@ def _register_residual_patterns(pass_: PatternMatcherPass, group_name: str, norm
         return norm(hidden, weight, eps), hidden
 
     examples = [example_tensor(4, 16, dtype=dtype), example_tensor(4, 16, dtype=dtype), example_tensor(16, dtype=dtype)]
-    _register(pass_, reduced_plus_residual, fused, examples)
-    _register(pass_, residual_plus_reduced, fused, examples)
+    _register(pass_, reduced_plus_residual, fused, examples, with_residual=True)
+    _register(pass_, residual_plus_reduced, fused, examples, with_residual=True)
 
 
 def _register_plain_pattern(pass_: PatternMatcherPass, group_name: str, norm: RMSNorm, dtype: torch.dtype) -> None:
@@ -212,7 +235,8 @@ def _register_plain_pattern(pass_: PatternMatcherPass, group_name: str, norm: RM
         reduced = allreduce_sum(x, group_name)
         return norm(reduced, weight, eps), reduced
 
-    _register(pass_, reduced_into_norm, fused, [example_tensor(4, 16, dtype=dtype), example_tensor(16, dtype=dtype)])
+    examples = [example_tensor(4, 16, dtype=dtype), example_tensor(16, dtype=dtype)]
+    _register(pass_, reduced_into_norm, fused, examples, with_residual=False)
 
 
 @functools.cache
@@ -247,3 +271,86 @@ def run(graph: torch.fx.Graph, config: PassConfig) -> int:
     if fused:
         stable_topological_sort(graph)
     return fused
+
+
+# ---------------------------------------------------------------- why a site stayed unfused
+
+#: How far below the all-reduce (or its residual add) `explain_unfused` looks for an RMSNorm's output.
+NORM_SEARCH_DEPTH = 12
+
+
+@functools.cache
+def _norm_patterns(hidden_dtype: torch.dtype, weight_dtype: torch.dtype) -> tuple[PatternExpr, ...]:
+    """Each RMSNorm spelling alone, traced for these dtypes, with `hidden`, `weight`, `eps` as its
+    arguments; exact patterns (dtypes, dims and exponents must match, unlike the passes' generic
+    first-stage patterns), so a match is an RMSNorm over the last dimension computed in float32."""
+    examples = [example_tensor(4, 16, dtype=hidden_dtype), example_tensor(16, dtype=weight_dtype), EPS_PLACEHOLDER]
+    return tuple(
+        fx_to_pattern(
+            trace_functional(norm, examples),
+            argnames=("hidden", "weight", "eps"),
+            scalar_workaround={"eps": EPS_PLACEHOLDER},
+        )
+        for norm in RMSNORM_SPELLINGS[torch.bfloat16]
+    )
+
+
+def _norm_of(hidden: torch.fx.Node) -> Match | None:
+    """A recognised RMSNorm of `hidden` (weight in its dtype or float32) computed below it, if any."""
+    value = _val(hidden)
+    if value is None:
+        return None
+    patterns = _norm_patterns(value.dtype, value.dtype) + _norm_patterns(value.dtype, torch.float32)
+    frontier, seen = [hidden], {hidden}
+    for _ in range(NORM_SEARCH_DEPTH):
+        frontier = [user for node in frontier for user in node.users if user not in seen]
+        seen.update(frontier)
+        for node in frontier:
+            for pattern in patterns:
+                match = pattern.match(node)
+                if is_match(match) and match.kwargs.get("hidden") is hidden:
+                    return match
+    return None
+
+
+def _val(arg) -> torch.Tensor | None:
+    value = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def explain_unfused(all_reduce: torch.fx.Node, config: PassConfig) -> str:
+    """Why `run` left this `_c10d_functional.all_reduce` node unfused, in a few words.
+
+    It looks for the RMSNorm that the all-reduced value (pattern 2) or its residual add (pattern 1)
+    feeds, then gives the first refusal: not a sum, no RMSNorm follows, pattern disabled, a
+    `site_refusal` (dtype, residual, weight, eps), or a value inside the chain used elsewhere.
+    """
+    reduce_op = all_reduce.args[1]
+    if reduce_op != "sum":
+        return f"reduces with {reduce_op!r}, not a sum"
+    waits = list(all_reduce.users)
+    if len(waits) != 1 or waits[0].target is not WAIT_TENSOR:
+        return "its result is not read through one wait_tensor"
+    reduced = waits[0]
+    x = _val(all_reduce.args[0])
+    candidates = [(reduced, None, ALLREDUCE_RMSNORM)] + [
+        (add, add.args[1] if add.args[0] is reduced else add.args[0], ALLREDUCE_RESIDUAL_RMSNORM)
+        for add in reduced.users
+        if add.target is torch.ops.aten.add.Tensor
+    ]
+    refusals = []
+    for hidden, residual, pattern in candidates:
+        norm = _norm_of(hidden)
+        if norm is None:
+            continue
+        with_residual = pattern == ALLREDUCE_RESIDUAL_RMSNORM
+        eps = norm.kwargs.get("eps")
+        refusal = (
+            None if config.enabled(pattern) else f"pattern {pattern} is disabled"
+        ) or site_refusal(x, _val(norm.kwargs.get("weight")), eps if isinstance(eps, float) else _val(eps), _val(residual), with_residual)
+        if refusal is None and with_residual and len(reduced.users) > 1:
+            refusal = "the all-reduced value is also used apart from the residual add"
+        refusals.append(refusal or "a value inside the all-reduce -> add -> RMSNorm chain is also used elsewhere")
+    if not refusals:
+        return "no RMSNorm follows" + (" the all-reduce or its residual add" if len(candidates) > 1 else "")
+    return refusals[0]

@@ -42,10 +42,19 @@ def trace_functional(fn, args, **kwargs) -> torch.fx.GraphModule:
 
     Decompositions can use in-place ops (on CPU, `F.rms_norm` adds eps with `add_`), while the
     post-grad graph is functional. Re-tracing the decomposed graph under `torch.func.functionalize`
-    gives the functional form the patterns must match. Keyword arguments pass through to `fwd_only`.
+    gives the functional form the patterns must match; a graph without in-place ops is returned as
+    traced (the matcher traces every site's replacement, so this halves the pass's tracing time).
+    Keyword arguments pass through to `fwd_only`.
     """
     decomposed = fwd_only(fn, args, **kwargs)
+    if not any(_mutates_an_input(node) for node in decomposed.graph.nodes):
+        return decomposed
     return fwd_only(torch.func.functionalize(decomposed), args, **kwargs)
+
+
+def _mutates_an_input(node: torch.fx.Node) -> bool:
+    """Whether `node` calls an op that writes into one of its arguments."""
+    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
 
 
 def matched_tensor(match: Match, name: str) -> torch.Tensor | None:

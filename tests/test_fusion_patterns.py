@@ -64,12 +64,16 @@ def assert_meta_matches_propagation(gm: torch.fx.GraphModule) -> None:
         assert signature(value) == signature(node.meta["val"]), node
 
 
-def rewrite_unchanged(fn, *args) -> None:
-    """Assert the pass finds nothing in fn's graph and leaves it exactly as it was."""
+def rewrite_unchanged(fn, *args, reason: str | None) -> None:
+    """Assert the pass finds nothing in fn's graph, leaves it exactly as it was, and that
+    `explain_unfused` gives `reason` for each all-reduce left (None: there is no all-reduce)."""
     gm = post_grad_graph(fn, *args)
     before = snapshot(gm.graph)
     assert allreduce_rmsnorm_fusion.run(gm.graph, PassConfig()) == 0
     assert snapshot(gm.graph).lines == before.lines
+    left = gm.graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.all_reduce.default)
+    assert [allreduce_rmsnorm_fusion.explain_unfused(node, PassConfig()) for node in left] == [reason] * len(left)
+    assert bool(left) == (reason is not None)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
@@ -215,21 +219,27 @@ def test_no_norm_follows(group):
     def reduce_add(x, res):
         return funcol_all_reduce(x, group) + res
 
-    rewrite_unchanged(reduce_add, torch.randn(4, 16), torch.randn(4, 16))
+    rewrite_unchanged(
+        reduce_add, torch.randn(4, 16), torch.randn(4, 16),
+        reason="no RMSNorm follows the all-reduce or its residual add",
+    )
 
 
 def test_add_of_a_broadcast_bias_is_not_a_residual(group):
     def reduce_bias_norm(x, bias, w):
         return rmsnorm_transformers(funcol_all_reduce(x, group) + bias, w, 1e-6)
 
-    rewrite_unchanged(reduce_bias_norm, torch.randn(4, 16), torch.randn(16), torch.randn(16))
+    rewrite_unchanged(
+        reduce_bias_norm, torch.randn(4, 16), torch.randn(16), torch.randn(16),
+        reason="residual shape [16] is not the all-reduced shape [4, 16]",
+    )
 
 
 def test_add_of_a_scalar_is_not_a_residual(group):
     def reduce_shift_norm(x, w):
         return rmsnorm_transformers(funcol_all_reduce(x, group) + 1.0, w, 1e-6)
 
-    rewrite_unchanged(reduce_shift_norm, torch.randn(4, 16), torch.randn(16))
+    rewrite_unchanged(reduce_shift_norm, torch.randn(4, 16), torch.randn(16), reason="the residual is not a tensor")
 
 
 @pytest.mark.parametrize("weight_shape", [(1,), (4, 16)], ids=["scalar_like", "per_token"])
@@ -238,7 +248,10 @@ def test_weight_not_a_hidden_size_vector(group, weight_shape):
         h = funcol_all_reduce(x, group) + res
         return rmsnorm_transformers(h, w, 1e-6), h
 
-    rewrite_unchanged(reduce_add_norm, torch.randn(4, 16), torch.randn(4, 16), torch.randn(weight_shape))
+    rewrite_unchanged(
+        reduce_add_norm, torch.randn(4, 16), torch.randn(4, 16), torch.randn(weight_shape),
+        reason=f"RMSNorm weight shape {list(weight_shape)} is not [hidden size 16]",
+    )
 
 
 def test_reduced_value_used_elsewhere(group):
@@ -249,7 +262,10 @@ def test_reduced_value_used_elsewhere(group):
         h = reduced + res
         return rmsnorm_transformers(h, w, 1e-6), h, reduced * 2
 
-    rewrite_unchanged(reduce_add_norm_keep_reduced, torch.randn(4, 16), torch.randn(4, 16), torch.randn(16))
+    rewrite_unchanged(
+        reduce_add_norm_keep_reduced, torch.randn(4, 16), torch.randn(4, 16), torch.randn(16),
+        reason="the all-reduced value is also used apart from the residual add",
+    )
 
 
 def test_norm_intermediate_used_elsewhere(group):
@@ -258,14 +274,14 @@ def test_norm_intermediate_used_elsewhere(group):
         inv_rms = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
         return w * (h * inv_rms), inv_rms
 
-    rewrite_unchanged(reduce_norm_keep_rsqrt, torch.randn(4, 16), torch.randn(16))
+    rewrite_unchanged(reduce_norm_keep_rsqrt, torch.randn(4, 16), torch.randn(16), reason="no RMSNorm follows")
 
 
 def test_max_all_reduce_is_not_fused(group):
     def reduce_max_norm(x, w):
         return rmsnorm_transformers(torch.distributed._functional_collectives.all_reduce(x, "max", group), w, 1e-6)
 
-    rewrite_unchanged(reduce_max_norm, torch.randn(4, 16), torch.randn(16))
+    rewrite_unchanged(reduce_max_norm, torch.randn(4, 16), torch.randn(16), reason="reduces with 'max', not a sum")
 
 
 def test_norm_without_fp32_upcast_is_not_fused(group):
@@ -276,7 +292,11 @@ def test_norm_without_fp32_upcast_is_not_fused(group):
         return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)), h
 
     args = (torch.randn(4, 16), torch.randn(4, 16), torch.randn(16))
-    rewrite_unchanged(reduce_norm_in_bf16, *(a.to(torch.bfloat16) for a in args))
+    rewrite_unchanged(
+        reduce_norm_in_bf16,
+        *(a.to(torch.bfloat16) for a in args),
+        reason="no RMSNorm follows the all-reduce or its residual add",
+    )
 
 
 def test_mean_over_tokens_is_not_rmsnorm(group):
@@ -284,7 +304,7 @@ def test_mean_over_tokens_is_not_rmsnorm(group):
         h = funcol_all_reduce(x, group)
         return w * (h * torch.rsqrt(h.pow(2).mean(0, keepdim=True) + 1e-6))
 
-    rewrite_unchanged(reduce_norm_over_tokens, torch.randn(4, 16), torch.randn(16))
+    rewrite_unchanged(reduce_norm_over_tokens, torch.randn(4, 16), torch.randn(16), reason="no RMSNorm follows")
 
 
 def test_residual_of_another_dtype(group):
@@ -293,7 +313,10 @@ def test_residual_of_another_dtype(group):
         return rmsnorm_transformers(h, w, 1e-6), h
 
     bf16 = torch.bfloat16
-    rewrite_unchanged(reduce_add_fp32_residual_norm, torch.randn(4, 16, dtype=bf16), torch.randn(4, 16), torch.randn(16))
+    rewrite_unchanged(
+        reduce_add_fp32_residual_norm, torch.randn(4, 16, dtype=bf16), torch.randn(4, 16), torch.randn(16),
+        reason="residual dtype float32 differs from bfloat16",
+    )
 
 
 def test_weight_of_another_dtype(group):
@@ -305,7 +328,10 @@ def test_weight_of_another_dtype(group):
 
     bf16 = torch.bfloat16
     x, res = torch.randn(4, 16, dtype=bf16), torch.randn(4, 16, dtype=bf16)
-    rewrite_unchanged(reduce_add_norm, x, res, torch.randn(16))
+    rewrite_unchanged(
+        reduce_add_norm, x, res, torch.randn(16),
+        reason="RMSNorm weight dtype float32 differs from bfloat16",
+    )
 
 
 def test_graph_without_collectives_unchanged(group):
@@ -313,7 +339,7 @@ def test_graph_without_collectives_unchanged(group):
         h = x @ x.T + res
         return rmsnorm_transformers(h, w, 1e-6), h
 
-    rewrite_unchanged(local_block, torch.randn(4, 4), torch.randn(4, 4), torch.randn(4))
+    rewrite_unchanged(local_block, torch.randn(4, 4), torch.randn(4, 4), torch.randn(4), reason=None)
 
 
 def test_inplace_all_reduce_of_a_graph_input_is_not_fused(group):
@@ -323,7 +349,10 @@ def test_inplace_all_reduce_of_a_graph_input_is_not_fused(group):
         h = inplace_all_reduce(x, group) + res
         return rmsnorm_transformers(h, w, 1e-6), h
 
-    rewrite_unchanged(reduce_input_in_place, torch.randn(4, 16), torch.randn(4, 16), torch.randn(16))
+    rewrite_unchanged(
+        reduce_input_in_place, torch.randn(4, 16), torch.randn(4, 16), torch.randn(16),
+        reason="the all-reduced value is also used apart from the residual add",
+    )
 
 
 def test_two_groups_each_site_uses_its_own_group(group):
