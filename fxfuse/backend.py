@@ -159,7 +159,7 @@ class FxfuseBackend:
         before = snapshot(graph)
         merged = merge_allreduce.run(graph, self.config)
         allreduce_rmsnorm_fusion.run(graph, self.config)
-        after = snapshot(graph)
+        after = snapshot(graph, previous=before)
         record = CompileRecord(before=before, after=after, stats=fusion_stats(graph, before, after, merged))
         self.records.append(record)
         for name, value in asdict(record.stats).items():
