@@ -33,6 +33,9 @@ class MLAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
+        # a plain float attribute: computing it per forward from the (yarn) config would make dynamic=True
+        # branch on symbolic floats, and dynamo would then trace the whole model a second time
+        self.softmax_scale = config.softmax_scale
         self.local_heads = ctx.shard(config.num_attention_heads, "num_attention_heads")
         heads, hidden = config.num_attention_heads, config.hidden_size
         factory = dict(dtype=dtype, device=device)
@@ -72,7 +75,7 @@ class MLAttention(nn.Module):
         query_latent = torch.einsum("bthd,hdc->bthc", query_nope, key_up)
         scores = torch.einsum("bthc,bsc->bhts", query_latent, cached_latent)
         scores = scores + torch.einsum("bthr,bsr->bhts", query_rope, cached_key_rope)
-        scores = scores * cfg.softmax_scale
+        scores = scores * self.softmax_scale
 
         key_positions = torch.arange(cached_latent.shape[1], device=positions.device)
         visible = key_positions.view(1, 1, 1, -1) <= positions.view(batch, 1, width, 1)
