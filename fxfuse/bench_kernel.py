@@ -23,7 +23,6 @@ import datetime
 import importlib.metadata
 import os
 import platform
-import shlex
 import statistics
 import sys
 import zlib
@@ -34,6 +33,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from fxfuse.bench_output import publish
 from fxfuse.bench_kernel_report import FUSED_MODES, VARIANTS, derive_thresholds, markdown, write_report
 from fxfuse.launch import run_on_ranks, under_torchrun
 
@@ -98,10 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     report = results[0]
     if report is None:  # a non-zero torchrun rank: rank 0 reports
         return 0
-    report["command"] = shlex.join(["fxfuse", "bench", "kernel", *(argv if argv is not None else sys.argv[1:])])
-    for path in write_report(report, args.out_dir):
-        print(f"wrote {path}")
-    print(markdown(report))
+    publish(report, "kernel", argv, lambda r: write_report(r, args.out_dir), markdown)
     if args.write_thresholds:
         _write_thresholds(report, args.write_thresholds)
     if report["max_rel_err"] > TOLERANCE:

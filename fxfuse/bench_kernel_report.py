@@ -7,11 +7,11 @@ median_us (None unless timed), rel_err_normed, rel_err_residual, note.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any, Iterable
 
+from fxfuse.bench_output import write_result_files
 from fxfuse.fusion_policy import FusionMode
 from fxfuse.thresholds import ThresholdEntry, ThresholdTable, TokenRange
 
@@ -132,11 +132,5 @@ def plot(report: dict[str, Any], path: Path) -> bool:
 
 def write_report(report: dict[str, Any], out_dir: Path) -> list[Path]:
     """Write <stem>.json, <stem>.md and (with matplotlib) <stem>.png into out_dir; return their paths."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / file_stem(report["gpu"], report["world_size"], report["stamp"])
-    paths = [stem.with_suffix(".json"), stem.with_suffix(".md")]
-    paths[0].write_text(json.dumps(report, indent=2) + "\n")
-    paths[1].write_text(markdown(report))
-    if plot(report, stem.with_suffix(".png")):
-        paths.append(stem.with_suffix(".png"))
-    return paths
+    return write_result_files(stem, report, markdown(report), lambda path: plot(report, path))

@@ -20,7 +20,6 @@ import argparse
 import datetime
 import importlib.metadata
 import platform
-import shlex
 import statistics
 import sys
 import time
@@ -34,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from fxfuse.bench_model_report import markdown, write_report
+from fxfuse.bench_output import publish
 from fxfuse.launch import run_on_ranks, under_torchrun
 from fxfuse.models.progress import Progress
 from fxfuse.models.step_backends import BACKENDS, CompiledStep, compile_step
@@ -158,10 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run_on_ranks(bench_rank, tp, config, device=config.device, timeout_s=1800)[0]
     if report is None:  # a non-zero torchrun rank: rank 0 reports
         return 0
-    report["command"] = shlex.join(["fxfuse", "bench", "model", *(argv if argv is not None else sys.argv[1:])])
-    for path in write_report(report, args.out_dir):
-        print(f"wrote {path}")
-    print(markdown(report))
+    publish(report, "model", argv, lambda r: write_report(r, args.out_dir), markdown)
     failed = [r for r in report["results"] if r["status"] == "failed"]
     if failed:
         print(f"FAILED: {len(failed)} point(s) differ from eager by more than {TOLERANCE:.0e}", file=sys.stderr)

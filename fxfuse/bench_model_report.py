@@ -9,11 +9,12 @@ all-reduces alone.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
 from typing import Any
+
+from fxfuse.bench_output import write_result_files
 
 BACKEND_ORDER = ("eager", "inductor", "fxfuse")
 
@@ -178,13 +179,6 @@ def _token_axis(ax, rows: list[dict[str, Any]]) -> None:
 
 def write_report(report: dict[str, Any], out_dir: Path) -> list[Path]:
     """Write <stem>.json (with the summary rows), <stem>.md and, with matplotlib, <stem>.png; return their paths."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / file_stem(report)
     rows = summary_rows(report)
     document = {**report, "summary": rows, "fxfuse_over_inductor": ratio_summary(rows)}
-    paths = [stem.with_suffix(".json"), stem.with_suffix(".md")]
-    paths[0].write_text(json.dumps(document, indent=2) + "\n")
-    paths[1].write_text(markdown(report))
-    if plot(report, stem.with_suffix(".png")):
-        paths.append(stem.with_suffix(".png"))
-    return paths
+    return write_result_files(out_dir / file_stem(report), document, markdown(report), lambda path: plot(report, path))

@@ -35,7 +35,6 @@ FXFUSE_GPU_TEST_DUMP_DIR to keep the graphs before and after the pass.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import replace
 
@@ -43,16 +42,9 @@ import pytest
 import torch
 
 from fxfuse.launch import run_on_ranks
+from flashinfer_gpu import FLASHINFER_GPU_MARKS
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)"),
-    pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer-python >= 0.6.3"),
-    pytest.mark.skipif(
-        torch.cuda.is_available() and torch.cuda.get_device_capability()[0] not in (9, 10),
-        reason="FlashInfer's all-reduce fusion kernel is built for SM 9.x and 10.x only",
-    ),
-]
+pytestmark = FLASHINFER_GPU_MARKS
 
 BATCH, WIDTH, PROMPT_LEN, STEPS = 2, 4, 8, 2
 CACHE_LEN = PROMPT_LEN + STEPS * WIDTH

@@ -16,16 +16,9 @@ import pytest
 import torch
 
 from fxfuse.launch import run_on_ranks
+from flashinfer_gpu import FLASHINFER_GPU_MARKS
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)"),
-    pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer-python >= 0.6.3"),
-    pytest.mark.skipif(
-        torch.cuda.is_available() and torch.cuda.get_device_capability()[0] not in (9, 10),
-        reason="FlashInfer's all-reduce fusion kernel is built for SM 9.x and 10.x only",
-    ),
-]
+pytestmark = FLASHINFER_GPU_MARKS
 
 HIDDEN = 7168
 EPS = 1e-6

@@ -1,0 +1,35 @@
+"""Shared output of the benchmarks: write a result as JSON + markdown (+ PNG) and print it.
+
+Every `fxfuse bench` command finishes the same way: rank 0 records the command line, writes
+`<stem>.json`, `<stem>.md` and, where matplotlib is importable, `<stem>.png`, lists the files and
+prints the markdown table.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+
+def write_result_files(
+    stem: Path, document: dict[str, Any], markdown_text: str, plot: Callable[[Path], bool]
+) -> list[Path]:
+    """Write stem.json (document), stem.md (markdown_text) and stem.png (if `plot` drew it); return the paths."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    paths = [stem.with_suffix(".json"), stem.with_suffix(".md")]
+    paths[0].write_text(json.dumps(document, indent=2) + "\n")
+    paths[1].write_text(markdown_text)
+    if plot(stem.with_suffix(".png")):
+        paths.append(stem.with_suffix(".png"))
+    return paths
+
+
+def publish(report: dict[str, Any], benchmark: str, argv: list[str] | None, write, markdown) -> None:
+    """Record `fxfuse bench <benchmark> ...` in the report, write its files with `write`, print them."""
+    report["command"] = shlex.join(["fxfuse", "bench", benchmark, *(argv if argv is not None else sys.argv[1:])])
+    for path in write(report):
+        print(f"wrote {path}")
+    print(markdown(report))
