@@ -1,4 +1,4 @@
-"""Command-line interface: `fxfuse run` (and `python -m fxfuse run`).
+"""Command-line interface: `fxfuse run`, `fxfuse report`, `fxfuse bench` (and `python -m fxfuse ...`).
 
 Each subcommand validates its input before starting any process and exits non-zero with a
 one-line message on bad input or a failed rank (the full traceback is printed only with
@@ -28,8 +28,46 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--verbose", action="store_true", help="print full tracebacks on failure")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_run_parser(commands)
+    _add_report_parser(commands)
     _add_bench_parser(commands)
     return parser
+
+
+REPORT_DESCRIPTION = """\
+Trace one step of a tensor-parallel DeepSeek-V3 through the fxfuse pass with fake tensors and a fake
+process group (no weights in memory, no GPU, no other processes) and print one row per all-reduce
+site: layer, block, fused or not and why not. Default: the tiny preset at tp=2.
+"""
+
+
+def _add_report_parser(commands) -> None:
+    p = commands.add_parser("report", help="which all-reduce sites the fusion pass fuses (no weights, no GPU)",
+                            description=REPORT_DESCRIPTION)
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--preset", default=None, help="built-in model config: tiny, deepseek-v3, kimi-k2 (default: tiny)")
+    source.add_argument("--checkpoint", metavar="DIR", help="Hugging Face DeepSeek-V3-format checkpoint directory (config.json only)")
+    p.add_argument("--layers", type=int, default=None, metavar="N", help="keep full width but only the first N layers")
+    p.add_argument("--tp", type=int, default=2, help="tensor parallel size to trace for (default 2)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                   help="weights and activations (default bfloat16)")
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+    p.set_defaults(handler=_report_command)
+
+
+def _report_command(args) -> int:
+    import torch
+
+    from fxfuse.report import load_config, report_model
+
+    if args.tp < 1 or (args.layers is not None and args.layers < 1):
+        raise ValueError("--tp and --layers must be at least 1")
+    config, name = load_config(args.preset or (None if args.checkpoint else "tiny"), args.checkpoint, args.layers)
+    report = report_model(config, args.tp, name=name, dtype=getattr(torch, args.dtype))
+    print(report.table())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_json(), f, indent=2)
+    return 0
 
 
 BENCHMARKS = {

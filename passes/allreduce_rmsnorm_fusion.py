@@ -25,6 +25,7 @@ same-shape tensor / a hidden-size vector, an eps tensor that is not a CPU scalar
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -285,13 +286,12 @@ def _norm_patterns(hidden_dtype: torch.dtype, weight_dtype: torch.dtype) -> tupl
     arguments; exact patterns (dtypes, dims and exponents must match, unlike the passes' generic
     first-stage patterns), so a match is an RMSNorm over the last dimension computed in float32."""
     examples = [example_tensor(4, 16, dtype=hidden_dtype), example_tensor(16, dtype=weight_dtype), EPS_PLACEHOLDER]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # F.rms_norm warns about the mixed dtypes it traces here
+        traced = [trace_functional(norm, examples) for norm in RMSNORM_SPELLINGS[torch.bfloat16]]
     return tuple(
-        fx_to_pattern(
-            trace_functional(norm, examples),
-            argnames=("hidden", "weight", "eps"),
-            scalar_workaround={"eps": EPS_PLACEHOLDER},
-        )
-        for norm in RMSNORM_SPELLINGS[torch.bfloat16]
+        fx_to_pattern(graph, argnames=("hidden", "weight", "eps"), scalar_workaround={"eps": EPS_PLACEHOLDER})
+        for graph in traced
     )
 
 

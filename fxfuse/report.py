@@ -1,0 +1,273 @@
+"""`fxfuse report`: which all-reduce sites of a model the fxfuse pass fuses, and why not, without weights.
+
+`report_model(config, tp)` builds the tensor-parallel model under a `FakeTensorMode` (parameters
+have shapes and dtypes but no storage), joins a fake process group of `tp` ranks in this process (no
+other ranks, no communication, no GPU) and compiles one forward with `torch.compile(fullgraph=True,
+dynamic=True)` through an eager-inner `FxfuseBackend`: dynamo, AOT autograd and the fxfuse passes
+run as in a real compile, and the compiled graph then "runs" on fake tensors (no compute). Fake CPU
+tensors rather than the meta device: torch's pattern matcher skips nodes with meta tensors.
+
+Every all-reduce in the graph before the passes is one `SiteRow`: its decoder layer and block
+(embedding / attention / MLP / MoE), read from the `nn_module_stack` that the node computing the
+all-reduced value carries through AOT autograd; whether it ended up inside a fused op (possibly
+after being merged with another all-reduce); and if not, why (`explain_unfused`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fxfuse.backend import CompileRecord, FxfuseBackend
+from fxfuse.models.config import ModelConfig
+from fxfuse.models.parallel import ParallelContext
+from fxfuse.ops import FUSED_OPS
+from fxfuse.passes.allreduce_rmsnorm_fusion import explain_unfused
+from fxfuse.passes.config import PATTERNS
+from fxfuse.passes.pattern_support import ALL_REDUCE
+
+#: Block kinds by a word of the module's class name, outermost module first (DeepSeek-V3 reference
+#: and Hugging Face spellings: VocabParallelEmbedding, MLAttention, MoE, ParallelGatedMLP, ...).
+BLOCK_KEYWORDS = (("Embedding", "embedding"), ("Attention", "attention"), ("MoE", "MoE"), ("MLP", "MLP"))
+
+LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+@dataclass(frozen=True)
+class SiteRow:
+    """One all-reduce of the graph before the passes, in graph order.
+
+    `module`: path of the innermost module computing the all-reduced value (`model.layers.3.mlp`);
+    `layer`: its decoder layer index (None outside the layers); `block`: embedding, attention, MLP,
+    MoE, or the module's class name; `merged`: reduced together with another site first (pattern 3);
+    `reason`: why it is not fused (None when fused).
+    """
+
+    index: int
+    layer: int | None
+    block: str
+    module: str
+    fused: bool
+    merged: bool
+    reason: str | None
+
+
+@dataclass(frozen=True)
+class FusionReport:
+    """What the pass made of one model's graph: counts, one row per all-reduce site, timings.
+
+    `allreduce_sites`: all-reduces before the passes; `fused_sites`: those that ended up inside a
+    fused op; `fused_ops`: fused ops in the rewritten graph (fewer than `fused_sites` when sites were
+    merged); `trace_seconds`: dynamo + AOT autograd (the whole compile minus the passes);
+    `pass_seconds`: the fxfuse passes with the backend's before/after snapshots (the first run in a
+    process includes tracing the patterns).
+    """
+
+    model: str
+    layers: int
+    tp: int
+    dtype: str
+    allreduce_sites: int
+    fused_sites: int
+    fused_ops: int
+    merged: int
+    trace_seconds: float
+    pass_seconds: float
+    sites: tuple[SiteRow, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as a JSON-ready dict (`sites` as a list of row dicts)."""
+        return {**asdict(self), "sites": [asdict(row) for row in self.sites]}
+
+    def table(self) -> str:
+        """One line per site, then the totals."""
+        lines = [f"{'#':>4}  {'layer':>5}  {'block':<10}  {'fused':<6}  module / reason"]
+        for row in self.sites:
+            layer = "-" if row.layer is None else str(row.layer)
+            fused = ("merged" if row.merged else "yes") if row.fused else "NO"
+            lines.append(f"{row.index:>4}  {layer:>5}  {row.block:<10}  {fused:<6}  {row.module}"
+                         + ("" if row.reason is None else f": {row.reason}"))
+        lines.append(
+            f"{self.model} ({self.layers} layers, tp={self.tp}, {self.dtype}): {self.fused_sites} of "
+            f"{self.allreduce_sites} all-reduce sites fused ({self.fused_ops} fused ops, {self.merged} merges); "
+            f"trace {self.trace_seconds:.1f} s, pass {self.pass_seconds:.2f} s"
+        )
+        return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[dist.ProcessGroup]:
+    """This process as rank 0 of a fake default group of `world_size` ranks (collectives do nothing)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a default process group is already initialized in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def module_path(node: torch.fx.Node) -> tuple[str, list[str]]:
+    """(dotted path of the innermost module, class names outermost first) from node.meta['nn_module_stack']."""
+    stack = list((node.meta.get("nn_module_stack") or {}).values())
+    if not stack:
+        return "", []
+    path = re.sub(r"^L\['[^']+'\]\.?", "", stack[-1][0])
+    path = re.sub(r"\['?([^'\]]+)'?\]", r".\1", path).replace("._modules.", ".").strip(".")
+    return path, [getattr(cls, "__name__", str(cls).rsplit(".", 1)[-1]) for _, cls in stack]
+
+
+def site_location(producer: torch.fx.Node) -> tuple[int | None, str, str]:
+    """(layer, block, module path) of the node that computes an all-reduced value."""
+    path, classes = module_path(producer)
+    block = next((kind for name in classes for word, kind in BLOCK_KEYWORDS if word in name), None)
+    layer = LAYER_INDEX.search(path)
+    return (int(layer.group(1)) if layer else None), block or (classes[-1] if classes else "-"), path or "-"
+
+
+class SiteTracingBackend(FxfuseBackend):
+    """An eager-inner `FxfuseBackend` that also records one `SiteRow` per all-reduce and times the passes."""
+
+    def __init__(self, patterns=PATTERNS) -> None:
+        super().__init__(inner="eager", patterns=patterns)
+        self.sites: list[SiteRow] = []
+        self.pass_seconds = 0.0
+
+    def rewrite(self, graph: torch.fx.Graph) -> None:
+        producers = [node.args[0] for node in graph.find_nodes(op="call_function", target=ALL_REDUCE)]
+        before = set(graph.nodes)
+        start = time.perf_counter()
+        super().rewrite(graph)
+        self.pass_seconds += time.perf_counter() - start
+        self.sites = self._rows(graph, producers, before)
+
+    def _rows(self, graph: torch.fx.Graph, producers: list[torch.fx.Node], before: set[torch.fx.Node]) -> list[SiteRow]:
+        """Follow each site's producer into the rewritten graph: the input of a fused op or of an
+        all-reduce left over, directly or through the merge pass's new sum of partial results."""
+        fused, merged, reasons = set(), set(), {}
+        for op in FUSED_OPS:
+            for site in graph.find_nodes(op="call_function", target=op):
+                originals = _original_inputs(site.args[0], before)
+                fused.update(originals)
+                merged.update(originals if len(originals) > 1 else ())
+        for left in graph.find_nodes(op="call_function", target=ALL_REDUCE):
+            originals = _original_inputs(left.args[0], before)
+            merged.update(originals if len(originals) > 1 else ())
+            reasons.update(dict.fromkeys(originals, explain_unfused(left, self.config)))
+        rows = []
+        for index, producer in enumerate(producers):
+            layer, block, module = site_location(producer)
+            is_fused = producer in fused
+            reason = None if is_fused else reasons.get(producer, "not found in the rewritten graph")
+            rows.append(SiteRow(index, layer, block, module, is_fused, producer in merged, reason))
+        return rows
+
+
+def _original_inputs(node: torch.fx.Node, before: set[torch.fx.Node]) -> list[torch.fx.Node]:
+    """`node` if it was in the graph before the passes, else the pre-pass nodes it was built from."""
+    if node in before:
+        return [node]
+    return [original for arg in node.all_input_nodes for original in _original_inputs(arg, before)]
+
+
+def trace_sites(
+    build: Callable[[ParallelContext], torch.nn.Module],
+    make_inputs: Callable[[], tuple[torch.Tensor, ...]],
+    tp: int,
+    patterns=PATTERNS,
+) -> tuple[SiteTracingBackend, float]:
+    """Compile `build(ctx)(*make_inputs())` on fake tensors and a fake group of `tp` ranks.
+
+    Both callables run under the fake mode (no storage is allocated). Dynamo's caches are reset
+    before and after (each call compiles afresh; nothing keeps the traced model alive). Returns the
+    backend (sites, records, pass time) and the compile's wall time in seconds.
+    """
+    backend = SiteTracingBackend(patterns)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_process_group(tp) as group, fake_mode, torch.no_grad():
+        module = build(ParallelContext.from_group(group))
+        inputs = make_inputs()
+        torch._dynamo.reset()
+        start = time.perf_counter()
+        torch.compile(module, backend=backend, fullgraph=True, dynamic=True)(*inputs)
+        seconds = time.perf_counter() - start
+        torch._dynamo.reset()
+    return backend, seconds
+
+
+def trace_model(
+    config: ModelConfig,
+    tp: int,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    tokens: int = 4,
+    patterns=PATTERNS,
+) -> tuple[SiteTracingBackend, float]:
+    """`trace_sites` of one `tokens`-token step (batch 1) of the DeepSeek-V3 reference model."""
+    from fxfuse.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+    config.check_tensor_parallel(tp)
+
+    def build(ctx: ParallelContext) -> torch.nn.Module:
+        return DeepseekV3ForCausalLM(config, ctx, dtype=dtype, device="cpu", max_batch=1, max_seq_len=tokens)
+
+    def make_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(1, tokens, dtype=torch.long), torch.arange(tokens).unsqueeze(0)
+
+    return trace_sites(build, make_inputs, tp, patterns)
+
+
+def report_model(
+    config: ModelConfig, tp: int, *, name: str, dtype: torch.dtype = torch.bfloat16, patterns=PATTERNS
+) -> FusionReport:
+    """Trace the DeepSeek-V3 reference model (`trace_model`) and report every all-reduce site."""
+    backend, seconds = trace_model(config, tp, dtype=dtype, patterns=patterns)
+    return summarize(backend, seconds, model=name, layers=config.num_hidden_layers, tp=tp, dtype=dtype)
+
+
+def summarize(backend: SiteTracingBackend, compile_seconds: float, *, model: str, layers: int, tp: int,
+              dtype: torch.dtype) -> FusionReport:
+    """The `FusionReport` of a `trace_sites` run."""
+    record: CompileRecord = backend.records[-1]
+    return FusionReport(
+        model=model,
+        layers=layers,
+        tp=tp,
+        dtype=str(dtype).removeprefix("torch."),
+        allreduce_sites=record.stats.allreduces_before,
+        fused_sites=sum(row.fused for row in backend.sites),
+        fused_ops=record.stats.fused,
+        merged=record.stats.merged,
+        trace_seconds=round(compile_seconds - backend.pass_seconds, 3),
+        pass_seconds=round(backend.pass_seconds, 3),
+        sites=tuple(backend.sites),
+    )
+
+
+def load_config(preset: str | None, checkpoint: str | None, layers: int | None) -> tuple[ModelConfig, str]:
+    """(config, model name) of a preset or of a checkpoint directory's config.json, cut to `layers`.
+
+    Raises ValueError for an unknown preset or a directory without config.json.
+    """
+    from fxfuse.models.presets import get_preset
+
+    if checkpoint:
+        if not os.path.isfile(os.path.join(checkpoint, "config.json")):
+            raise ValueError(f"checkpoint directory {checkpoint!r} has no config.json")
+        config, name = ModelConfig.from_pretrained(checkpoint), checkpoint
+        if layers is not None:
+            config = replace(config, num_hidden_layers=layers)
+        return config, name
+    return get_preset(preset, layers=layers), preset

@@ -1,0 +1,209 @@
+"""`fxfuse report`: every all-reduce site of a model with its layer, block, fused or why not, traced on
+fake tensors with a fake process group; and the golden graph diff of the tiny model at tp=2.
+
+Golden file: tests/golden/tiny_tp2.diff is `render_diff` of the tiny preset's post-grad graph (4 layers,
+tp=2, bfloat16, dynamic shapes) before and after the fxfuse passes, compared exactly. Node and size
+symbol names in it are normalized by fxfuse.graph_diff, but the ops themselves come from torch's
+decompositions and can change with the torch version. After checking that a difference is expected,
+regenerate it with:
+
+    FXFUSE_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_report.py -k golden
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fxfuse.cli import main
+from fxfuse.models.layers import RMSNorm
+from fxfuse.models.presets import get_preset
+from fxfuse.passes.config import ALLREDUCE_RESIDUAL_RMSNORM, MERGE_ALLREDUCE
+from fxfuse.report import SiteRow, report_model, summarize, trace_model, trace_sites
+
+GOLDEN = Path(__file__).parent / "golden" / "tiny_tp2.diff"
+TINY_BLOCKS = [(None, "embedding")] + [(0, "attention"), (0, "MLP")] + [(i, b) for i in (1, 2, 3) for b in ("attention", "MoE")]
+
+
+@pytest.fixture(scope="module")
+def tiny_trace():
+    """The tiny preset traced at tp=2 (bfloat16): (backend, compile seconds)."""
+    return trace_model(get_preset("tiny"), 2)
+
+
+def test_tiny_report_rows(tiny_trace):
+    report = summarize(*tiny_trace, model="tiny", layers=4, tp=2, dtype=torch.bfloat16)
+    assert (report.allreduce_sites, report.fused_sites, report.fused_ops, report.merged) == (9, 9, 9, 0)
+    assert [(row.layer, row.block) for row in report.sites] == TINY_BLOCKS
+    assert all(row.fused and not row.merged and row.reason is None for row in report.sites)
+    assert [row.module for row in report.sites[:3]] == [
+        "model.embed_tokens", "model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj"
+    ]
+    assert report.trace_seconds > 0 and report.pass_seconds > 0
+    document = json.loads(json.dumps(report.to_json()))
+    assert document["allreduce_sites"] == document["fused_sites"] == len(document["sites"]) == 9
+    assert document["sites"][4] == {"index": 4, "layer": 1, "block": "MoE", "module": "model.layers.1.mlp",
+                                     "fused": True, "merged": False, "reason": None}
+    assert report.table().splitlines()[-1].startswith("tiny (4 layers, tp=2, bfloat16): 9 of 9 all-reduce sites fused")
+
+
+def test_golden_diff(tiny_trace):
+    """The tiny model's before/after diff is exactly tests/golden/tiny_tp2.diff (see the module docstring)."""
+    backend, _ = tiny_trace
+    diff = backend.records[-1].diff()
+    if os.environ.get("FXFUSE_UPDATE_GOLDEN") == "1":
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(diff)
+    assert diff == GOLDEN.read_text()
+
+
+def test_disabled_pattern_is_the_reason():
+    """With pattern 2 off, the embedding site stays unfused and says so; the layer's sites still fuse."""
+    report = report_model(get_preset("tiny", layers=1), 2, name="tiny", patterns=(MERGE_ALLREDUCE, ALLREDUCE_RESIDUAL_RMSNORM))
+    assert [(row.block, row.fused, row.reason) for row in report.sites] == [
+        ("embedding", False, "pattern allreduce_rmsnorm is disabled"),
+        ("attention", True, None),
+        ("MLP", True, None),
+    ]
+    assert (report.allreduce_sites, report.fused_sites) == (3, 2)
+
+
+class PartialLinear(nn.Module):
+    """A row-parallel projection: this rank's partial sum, for the caller to all-reduce."""
+
+    def __init__(self, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class ToyAttention(PartialLinear):
+    """Stands in for an attention block's output projection."""
+
+
+class ToyMLP(PartialLinear):
+    """Stands in for an MLP block's down projection."""
+
+
+class ToyLayer(nn.Module):
+    """Attention into an RMSNorm (fusible), then an MLP whose sum feeds a LayerNorm (not fusible)."""
+
+    def __init__(self, ctx, dim: int = 16, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.self_attn, self.mlp = ToyAttention(dim, dtype), ToyMLP(dim, dtype)
+        self.post_attention_layernorm = RMSNorm(dim, 1e-6, dtype=dtype)
+        self.final_layernorm = nn.LayerNorm(dim, dtype=dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.ctx.all_reduce(self.self_attn(hidden))
+        hidden = hidden + self.ctx.all_reduce(self.mlp(self.post_attention_layernorm(hidden)))
+        return self.final_layernorm(hidden)
+
+
+class ToyOfficialMoE(nn.Module):
+    """DeepSeek's official MoE: routed and shared experts each all-reduce their own partial sum."""
+
+    def __init__(self, ctx, dim: int = 16, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.experts, self.shared_experts = PartialLinear(dim, dtype), ToyMLP(dim, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ctx.all_reduce(self.experts(x)) + self.ctx.all_reduce(self.shared_experts(x))
+
+
+class ToyMoELayer(nn.Module):
+    """The official MoE block, its sum added to the residual and normed (merge, then fuse)."""
+
+    def __init__(self, ctx, dim: int = 16, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        self.mlp = ToyOfficialMoE(ctx, dim, dtype)
+        self.norm = RMSNorm(dim, 1e-6, dtype=dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden + self.mlp(hidden))
+
+
+class ToyModel(nn.Module):
+    """One layer of `layer_type` in `layers`, so sites get a layer index."""
+
+    def __init__(self, ctx, layer_type: type[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([layer_type(ctx)])
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.layers[0](hidden)
+
+
+def toy_inputs() -> tuple[torch.Tensor]:
+    return (torch.empty(3, 16, dtype=torch.bfloat16),)
+
+
+def test_site_without_rmsnorm_says_why():
+    backend, _ = trace_sites(lambda ctx: ToyModel(ctx, ToyLayer), toy_inputs, tp=2)
+    assert backend.sites == [
+        SiteRow(0, 0, "attention", "layers.0.self_attn", True, False, None),
+        SiteRow(1, 0, "MLP", "layers.0.mlp", False, False, "no RMSNorm follows the all-reduce or its residual add"),
+    ]
+
+
+def test_merged_sites_are_fused_and_marked():
+    """Two all-reduces of one MoE block are merged into one, which is then fused: both rows say so."""
+    backend, seconds = trace_sites(lambda ctx: ToyModel(ctx, ToyMoELayer), toy_inputs, tp=2)
+    assert backend.sites == [
+        SiteRow(0, 0, "MoE", "layers.0.mlp.experts", True, True, None),
+        SiteRow(1, 0, "MoE", "layers.0.mlp.shared_experts", True, True, None),
+    ]
+    report = summarize(backend, seconds, model="toy", layers=1, tp=2, dtype=torch.bfloat16)
+    assert (report.allreduce_sites, report.fused_sites, report.fused_ops, report.merged) == (2, 2, 1, 1)
+
+
+@pytest.mark.parametrize("preset", ["deepseek-v3", "kimi-k2"])
+def test_full_width_presets_at_tp8(preset):
+    """The real widths at tp=8, cut to 4 layers (dense and MoE layers of both presets): all fused."""
+    report = report_model(get_preset(preset, layers=4), 8, name=preset)
+    assert report.allreduce_sites == report.fused_sites == report.fused_ops == 9
+    assert {row.block for row in report.sites} == {"embedding", "attention", "MLP", "MoE"}
+
+
+def test_cli_report_from_checkpoint_config(tmp_path, capsys):
+    """`fxfuse report --checkpoint DIR` needs only config.json; --json writes the rows and timings."""
+    (tmp_path / "config.json").write_text(json.dumps(get_preset("tiny").to_hf_dict()))
+    out = tmp_path / "report.json"
+    assert main(["report", "--checkpoint", str(tmp_path), "--layers", "1", "--tp", "2", "--json", str(out)]) == 0
+    document = json.loads(out.read_text())
+    assert (document["allreduce_sites"], document["fused_sites"], document["layers"], document["tp"]) == (3, 3, 1, 2)
+    assert [site["block"] for site in document["sites"]] == ["embedding", "attention", "MLP"]
+    assert document["trace_seconds"] > 0 and document["pass_seconds"] > 0
+    assert "3 of 3 all-reduce sites fused" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--preset", "tiny-llama"], "unknown model preset 'tiny-llama'"),
+        (["--tp", "3"], "tensor parallel size 3 does not divide"),
+        (["--checkpoint", "/nonexistent"], "has no config.json"),
+    ],
+    ids=["preset", "tp", "checkpoint"],
+)
+def test_cli_report_rejects_bad_input(argv, message, capsys):
+    assert main(["report", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_deepseek_v3_tp8_full_depth():
+    """All 61 layers at tp=8: 122 layer sites + the embedding, every one fused (minutes on 2 cores)."""
+    report = report_model(get_preset("deepseek-v3"), 8, name="deepseek-v3")
+    assert report.allreduce_sites == report.fused_sites == report.fused_ops == 123
+    assert [row.layer for row in report.sites[1:]] == [i for i in range(61) for _ in range(2)]
