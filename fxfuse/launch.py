@@ -71,6 +71,8 @@ def init_rank(rank: int, world_size: int, device: str, port: int | None, timeout
 def _rank_main(rank, world_size, device, port, timeout_s, fn, args, queue):
     try:
         torch.manual_seed(0)
+        if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: ranks must not oversubscribe the cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         ctx = init_rank(rank, world_size, device, port, timeout_s)
         # plain pickle (not the queue's shared-memory reducer): tensors in the result must outlive this process
         queue.put((rank, True, pickle.dumps(fn(ctx, *args))))
