@@ -288,6 +288,7 @@ def _norm_patterns(hidden_dtype: torch.dtype, weight_dtype: torch.dtype) -> tupl
     examples = [example_tensor(4, 16, dtype=hidden_dtype), example_tensor(16, dtype=weight_dtype), EPS_PLACEHOLDER]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # F.rms_norm warns about the mixed dtypes it traces here
+        # the bfloat16 list has every spelling (in float32 some trace to the same graph)
         traced = [trace_functional(norm, examples) for norm in RMSNORM_SPELLINGS[torch.bfloat16]]
     return tuple(
         fx_to_pattern(graph, argnames=("hidden", "weight", "eps"), scalar_workaround={"eps": EPS_PLACEHOLDER})
@@ -314,6 +315,7 @@ def _norm_of(hidden: torch.fx.Node) -> Match | None:
 
 
 def _val(arg) -> torch.Tensor | None:
+    """The fake tensor a graph node computes (None for a non-tensor or a literal)."""
     value = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
     return value if isinstance(value, torch.Tensor) else None
 
@@ -343,11 +345,13 @@ def explain_unfused(all_reduce: torch.fx.Node, config: PassConfig) -> str:
         norm = _norm_of(hidden)
         if norm is None:
             continue
+        if not config.enabled(pattern):
+            refusals.append(f"pattern {pattern} is disabled")
+            continue
         with_residual = pattern == ALLREDUCE_RESIDUAL_RMSNORM
         eps = norm.kwargs.get("eps")
-        refusal = (
-            None if config.enabled(pattern) else f"pattern {pattern} is disabled"
-        ) or site_refusal(x, _val(norm.kwargs.get("weight")), eps if isinstance(eps, float) else _val(eps), _val(residual), with_residual)
+        eps = eps if isinstance(eps, float) else _val(eps)
+        refusal = site_refusal(x, _val(norm.kwargs.get("weight")), eps, _val(residual), with_residual)
         if refusal is None and with_residual and len(reduced.users) > 1:
             refusal = "the all-reduced value is also used apart from the residual add"
         refusals.append(refusal or "a value inside the all-reduce -> add -> RMSNorm chain is also used elsewhere")
