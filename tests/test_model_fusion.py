@@ -13,9 +13,10 @@ Numerics against the eager model, over a 12-token prefill and decode/verify step
 - float32: relative error (max |diff| / max |logit|) <= 1e-5, with the eager inner compiler and once
   with Inductor (cut to 2 layers: one dense, one MoE layer, every kind of site, half the compile);
 - bfloat16: the fused graph equals the same graph compiled unfused bit for bit (the fused op keeps
-  the model's rounding order); both differ from eager only by bf16 rounding of differently ordered
+  the model's rounding order); against eager the bound is bf16 rounding of differently ordered
   decomposed ops: relative error <= 2**-5 (a few bf16 ulps, 2**-8 each, accumulated over 4 layers
-  and the lm_head; unrelated logits would be off by O(1)).
+  and the lm_head; unrelated logits would be off by O(1)). Measured on torch 2.13: 0 (bf16) and
+  at most 5e-7 (fp32).
 
 The DeepSeek-official variant (shared experts all-reducing on their own, merged then fused) is
 covered at block level by tests/test_merge_allreduce.py; the reference model has one all-reduce
