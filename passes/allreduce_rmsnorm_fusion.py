@@ -25,6 +25,7 @@ same-shape tensor / a hidden-size vector, an eps tensor that is not a CPU scalar
 from __future__ import annotations
 
 import functools
+import operator
 import warnings
 from collections.abc import Callable
 
@@ -42,7 +43,7 @@ from torch._inductor.pattern_matcher import (
 )
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from fxfuse.ops import allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps
+from fxfuse.ops import FUSED_OPS, allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps
 from fxfuse.passes.config import ALLREDUCE_RESIDUAL_RMSNORM, ALLREDUCE_RMSNORM, PassConfig
 from fxfuse.passes.pattern_support import (
     WAIT_TENSOR,
@@ -263,7 +264,8 @@ def run(graph: torch.fx.Graph, config: PassConfig) -> int:
 
     A fused call goes where the site's residual add (or all-reduce) was, which can come before the
     node computing an eps tensor; the graph is then re-sorted topologically, keeping the order of
-    everything else (as Inductor does after its post-grad passes).
+    everything else (as Inductor does after its post-grad passes), and unused reads of fused-op
+    outputs are dropped.
     """
     patterns = enabled_patterns(config)
     if not patterns:
@@ -271,7 +273,15 @@ def run(graph: torch.fx.Graph, config: PassConfig) -> int:
     fused = sum(fusion_patterns(group, patterns).apply(graph) for group in sum_allreduce_groups(graph))
     if fused:
         stable_topological_sort(graph)
+        _erase_unused_outputs(graph)
     return fused
+
+
+def _erase_unused_outputs(graph: torch.fx.Graph) -> None:
+    """Drop reads of fused-op outputs that nothing uses (torch 2.11 leaves some behind)."""
+    for node in graph.find_nodes(op="call_function", target=operator.getitem):
+        if not node.users and getattr(node.args[0], "target", None) in FUSED_OPS:
+            graph.erase_node(node)
 
 
 # ---------------------------------------------------------------- why a site stayed unfused
