@@ -22,7 +22,6 @@ import argparse
 import datetime
 import importlib.metadata
 import os
-import platform
 import statistics
 import sys
 import zlib
@@ -33,7 +32,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from fxfuse.bench_output import publish
+from fxfuse.bench_output import package_versions, publish, relative_l2_error
 from fxfuse.bench_kernel_report import FUSED_MODES, VARIANTS, derive_thresholds, markdown, write_report
 from fxfuse.launch import run_on_ranks, under_torchrun
 
@@ -170,7 +169,7 @@ class _RankBench:
                 rows.append(row)
                 continue
             normed, residual_out = runs.check()
-            err_n, err_r = _rel_err(normed, reference[0]), _rel_err(residual_out, reference[1])
+            err_n, err_r = relative_l2_error(normed, reference[0]), relative_l2_error(residual_out, reference[1])
             median = self._time(runs.timed) if runs.timed is not None else -1.0
             worst = self._max_over_ranks([err_n, err_r, median])
             row.update(rel_err_normed=worst[0], rel_err_residual=worst[1],
@@ -300,17 +299,8 @@ def _fp32_reference(x, xs, residual, weight):
     return normed, residual_out
 
 
-def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.float() - expected).norm() / expected.norm()).item()
-
-
 def _versions() -> dict[str, str]:
-    versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": str(torch.version.cuda)}
-    for dist_name in ("flashinfer-python", "apache-tvm-ffi"):
-        try:
-            versions[dist_name] = importlib.metadata.version(dist_name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[dist_name] = "not installed"
+    versions = package_versions(("flashinfer-python", "apache-tvm-ffi"))
     try:
         versions["fxfuse"] = importlib.metadata.version("fxfuse")
     except importlib.metadata.PackageNotFoundError:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import platform
 import statistics
 import sys
@@ -33,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from fxfuse.bench_model_report import markdown, write_report
-from fxfuse.bench_output import publish
+from fxfuse.bench_output import package_versions, publish, relative_l2_error
 from fxfuse.launch import run_on_ranks, under_torchrun
 from fxfuse.models.progress import Progress
 from fxfuse.models.step_backends import BACKENDS, CompiledStep, compile_step
@@ -233,7 +232,7 @@ def _bench_batch(ctx, config, model, compiled: dict[str, CompiledStep], batch: i
                 times = samples[(backend, width)]
                 row["step_ms"], row["step_ms_p90"] = _max_over_ranks(ctx, [statistics.median(times), _p90(times)])
                 if "eager" in runners and backend != "eager":
-                    err = _rel_err(outputs[(backend, width)], outputs[("eager", width)])
+                    err = relative_l2_error(outputs[(backend, width)], outputs[("eager", width)])
                     row["rel_err_vs_eager"] = _max_over_ranks(ctx, [err])[0]
                     row["status"] = "ok" if row["rel_err_vs_eager"] <= TOLERANCE else "failed"
                 progress.note(f"  batch {batch} width {width:3d} {backend:8s} {row['step_ms']:9.3f} ms")
@@ -366,21 +365,6 @@ def _p90(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
 
 
-def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """Relative L2 error ||actual - expected|| / ||expected||."""
-    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
-
-
-def _versions() -> dict[str, str]:
-    versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": str(torch.version.cuda)}
-    for name in ("flashinfer-python", "triton", "fxfuse"):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "not installed"
-    return versions
-
-
 def _report(config, world_size, device, rows, collective_rows, fusion: dict, fused_kernel_ready) -> dict:
     now = datetime.datetime.now(datetime.timezone.utc)
     cuda = device.type == "cuda"
@@ -395,7 +379,7 @@ def _report(config, world_size, device, rows, collective_rows, fusion: dict, fus
         "cuda_graphs": cuda,
         "timing": (f"CUDA-graph replay; median of {config.repeats} samples of {config.iters} replays, slowest rank"
                    if cuda else f"CPU smoke run, wall clock; median of {config.repeats} samples of {config.iters} calls"),
-        "versions": _versions(),
+        "versions": package_versions(("flashinfer-python", "triton", "fxfuse")),
         "config": asdict(config),
         "allreduce_sites": fusion["allreduce_sites"],
         "fused_sites": fusion["fused_sites"],

@@ -7,11 +7,15 @@ prints the markdown table.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import platform
 import shlex
 import sys
 from pathlib import Path
 from typing import Any, Callable
+
+import torch
 
 
 def write_result_files(
@@ -33,3 +37,20 @@ def publish(report: dict[str, Any], benchmark: str, argv: list[str] | None, writ
     for path in write(report):
         print(f"wrote {path}")
     print(markdown(report))
+
+
+def relative_l2_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Relative L2 error ||actual - expected|| / ||expected||, in float32."""
+    actual, expected = actual.float(), expected.float()
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def package_versions(packages: tuple[str, ...]) -> dict[str, str]:
+    """Python, torch and CUDA versions, and each named installed distribution's ("not installed" if absent)."""
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": str(torch.version.cuda)}
+    for name in packages:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
