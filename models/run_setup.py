@@ -21,10 +21,15 @@ from fxfuse.models.deepseek_v3 import DeepseekV3ForCausalLM
 from fxfuse.models.parallel import ParallelContext
 from fxfuse.models.presets import PRESETS, get_preset
 from fxfuse.models.random_weights import init_random_shards, random_hf_state_dict
+from fxfuse.models.step_backends import BACKENDS
 from fxfuse.models.weights import DictSource, SafetensorsSource, load_weights
 
 #: Widest step (tokens per sequence) the runner takes, with or without a CUDA graph.
 MAX_STEP_WIDTH = 128
+
+#: `--compare` targets and `--dtype` names the runner accepts.
+COMPARE_TARGETS = ("none", "eager", "hf")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 #: Above this many parameters, random weights are generated per shard (not as one full state dict).
 FULL_RANDOM_STATE_LIMIT = 500_000_000
@@ -74,8 +79,6 @@ class RunSetup:
 
 def prepare_run(options) -> RunSetup:
     """Validate `options` and resolve the model config; raises RunError naming the problem."""
-    from fxfuse.models.runner import BACKENDS, COMPARE_TARGETS, DTYPES
-
     _check_choice("backend", options.backend, BACKENDS)
     _check_choice("compare", options.compare, COMPARE_TARGETS)
     _check_choice("dtype", options.dtype, DTYPES)
@@ -137,8 +140,6 @@ def _graph_plan(options) -> tuple[bool, tuple[int, ...]]:
 
 
 def _dtype(name: str) -> torch.dtype:
-    from fxfuse.models.runner import DTYPES
-
     return DTYPES[name]
 
 

@@ -21,14 +21,12 @@ from fxfuse.launch import run_on_ranks
 from fxfuse.models.cuda_graph_step import DEFAULT_WIDTHS, CudaGraphStep
 from fxfuse.models.parallel import ParallelContext
 from fxfuse.models.progress import Progress
-from fxfuse.models.run_setup import RunSetup, prepare_run
+from fxfuse.models.run_setup import COMPARE_TARGETS, DTYPES, RunSetup, prepare_run
 from fxfuse.models.speculative import accepted_length, next_drafts
 from fxfuse.models.step_backends import BACKENDS, compile_step
 
 __all__ = ["BACKENDS", "COMPARE_TARGETS", "DTYPES", "RunOptions", "run", "run_rank"]
 
-COMPARE_TARGETS = ("none", "eager", "hf")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
