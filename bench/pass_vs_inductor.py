@@ -24,7 +24,7 @@ from fxfuse.backend import FxfuseBackend
 from fxfuse.models.deepseek_v3 import DeepseekV3ForCausalLM
 from fxfuse.models.parallel import ParallelContext
 from fxfuse.models.presets import get_preset
-from fxfuse.report import fake_process_group
+from fxfuse.inspect.site_report import fake_process_group
 
 TP, TOKENS = 8, 4
 

@@ -27,8 +27,8 @@ import torch.fx
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from fxfuse.graph_diff import GraphSnapshot, render_diff, snapshot
-from fxfuse.ops import FUSED_OPS
+from fxfuse.inspect.graph_diff import GraphSnapshot, render_diff, snapshot
+from fxfuse.op.schema import FUSED_OPS
 from fxfuse.passes import allreduce_rmsnorm_fusion, merge_allreduce
 from fxfuse.passes.config import PATTERNS, PassConfig
 

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from fxfuse.launch import RankFailed
+from fxfuse.runner.launch import RankFailed
 
 RUN_DESCRIPTION = """\
 Run a tensor-parallel DeepSeek-V3: prefill a random prompt, then greedy speculative-verify steps
@@ -57,7 +57,7 @@ def _add_report_parser(commands) -> None:
 def _report_command(args) -> int:
     import torch
 
-    from fxfuse.report import load_config, report_model
+    from fxfuse.inspect.site_report import load_config, report_model
 
     if args.tp < 1 or (args.layers is not None and args.layers < 1):
         raise ValueError("--tp and --layers must be at least 1")
@@ -71,8 +71,8 @@ def _report_command(args) -> int:
 
 
 BENCHMARKS = {
-    "kernel": ("fxfuse.bench_kernel", "fused op vs unfused all-reduce + add-RMSNorm, per token count (CUDA)"),
-    "model": ("fxfuse.bench_model", "DeepSeek-V3 verify-step latency: eager vs inductor vs fxfuse, CUDA graphs"),
+    "kernel": ("fxfuse.bench.kernel", "fused op vs unfused all-reduce + add-RMSNorm, per token count (CUDA)"),
+    "model": ("fxfuse.bench.model", "DeepSeek-V3 verify-step latency: eager vs inductor vs fxfuse, CUDA graphs"),
 }
 
 
@@ -97,7 +97,7 @@ def _bench_command(args) -> int:
 
 
 def _add_run_parser(commands) -> None:
-    from fxfuse.models.runner import BACKENDS, COMPARE_TARGETS, DTYPES, RunOptions
+    from fxfuse.runner.run import BACKENDS, COMPARE_TARGETS, DTYPES, RunOptions
 
     d = RunOptions()
     p = commands.add_parser("run", help="run the model (default: tiny preset, tp=2 on CPU)", description=RUN_DESCRIPTION)
@@ -126,7 +126,7 @@ def _add_run_parser(commands) -> None:
 
 
 def _run_command(args) -> int:
-    from fxfuse.models.runner import RunOptions, run
+    from fxfuse.runner.run import RunOptions, run
 
     preset = args.preset if (args.preset or args.checkpoint) else RunOptions().preset
     options = RunOptions(
@@ -178,7 +178,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `fxfuse` command; returns the process exit code."""
-    from fxfuse.models.run_setup import RunError
+    from fxfuse.runner.setup import RunError
 
     args = build_parser().parse_args(argv)
     try:

@@ -43,7 +43,7 @@ from torch._inductor.pattern_matcher import (
 )
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from fxfuse.ops import FUSED_OPS, allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps
+from fxfuse.op.schema import FUSED_OPS, allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps
 from fxfuse.passes.config import ALLREDUCE_RESIDUAL_RMSNORM, ALLREDUCE_RMSNORM, PassConfig
 from fxfuse.passes.pattern_support import (
     WAIT_TENSOR,

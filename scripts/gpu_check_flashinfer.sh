@@ -25,6 +25,6 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/
 
 timeout 300 python3 -m pytest -m gpu tests/gpu -x -v -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" || status=1
 
-timeout 240 python3 -m fxfuse.bench_kernel --world-size 2 --graph-iters 5 --repeats 3 --out-dir "$OUT" 2>&1 \
+timeout 240 python3 -m fxfuse.bench.kernel --world-size 2 --graph-iters 5 --repeats 3 --out-dir "$OUT" 2>&1 \
   | tee "$OUT/bench_kernel.log" || status=1
 exit $status

@@ -218,7 +218,7 @@ def _fused_vs_unfused_on_rank(ctx):
 
 @pytest.fixture(scope="module")
 def two_rank_results():
-    from fxfuse.launch import run_on_ranks
+    from fxfuse.runner.launch import run_on_ranks
 
     return run_on_ranks(_fused_vs_unfused_on_rank, 2)
 

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from fxfuse.bench_model import main
-from fxfuse.bench_model_report import markdown, ratio_summary, summary_rows, write_report
+from fxfuse.bench.model import main
+from fxfuse.bench.model_report import markdown, ratio_summary, summary_rows, write_report
 
 
 @pytest.mark.parametrize(
@@ -51,7 +51,7 @@ def test_cpu_smoke_run_writes_a_report(tmp_path):
 
 
 def test_a_failing_backend_is_reported_not_fatal():
-    from fxfuse.bench_model import _prepare_runner
+    from fxfuse.bench.model import _prepare_runner
 
     class Model:
         def reset_cache(self):

@@ -40,7 +40,7 @@ def test_fxfuse_backend_fuses_every_site_and_matches_eager(tmp_path, capfd):
 
 def test_multi_token_verify_steps_generate_the_greedy_sequence():
     """Speculative verify with 4-token steps must reproduce one-token greedy decoding exactly."""
-    from fxfuse.models.runner import RunOptions, run
+    from fxfuse.runner.run import RunOptions, run
 
     one = run(RunOptions(tokens_per_step=1, steps=8, tp=1))
     four = run(RunOptions(tokens_per_step=4, steps=3, tp=1))

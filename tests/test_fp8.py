@@ -198,7 +198,7 @@ def _fp8_logits_on_rank(ctx, directory, input_ids):
 def test_fp8_checkpoint_tp2_matches_transformers_on_dequantized_weights(tmp_path):
     from transformers import DeepseekV3ForCausalLM as HFDeepseekV3
 
-    from fxfuse.launch import run_on_ranks
+    from fxfuse.runner.launch import run_on_ranks
 
     fp8_dir, dequant_dir = fp8_model_checkpoints(tmp_path)
     input_ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))

@@ -28,8 +28,8 @@ from toy_graphs import (
     toy_decoder,
 )
 
-from fxfuse.graph_diff import op_counts, snapshot
-from fxfuse.ops import allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps
+from fxfuse.inspect.graph_diff import op_counts, snapshot
+from fxfuse.op.schema import allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps
 from fxfuse.passes import allreduce_rmsnorm_fusion
 from fxfuse.passes.config import PATTERNS, PassConfig
 

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from fxfuse.fusion_policy import (
+from fxfuse.op.policy import (
     FusionDecision,
     FusionMode,
     FusionProblem,
@@ -21,7 +21,7 @@ from fxfuse.fusion_policy import (
     flashinfer_prefers_oneshot,
     settings_from_env,
 )
-from fxfuse.thresholds import (
+from fxfuse.op.thresholds import (
     DEFAULT_PATH,
     ENV_THRESHOLDS,
     ThresholdEntry,

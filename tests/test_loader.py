@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from checkpoint_helpers import expected_shard, fake_rank_context, load_saved, save_tiny_hf_checkpoint, sharded_module_tree
-from fxfuse.launch import run_on_ranks
+from fxfuse.runner.launch import run_on_ranks
 from fxfuse.models.weights import CheckpointError, DictSource, SafetensorsSource, load_weights
 
 

@@ -20,7 +20,7 @@ from toy_graphs import (
     post_grad_graph,
 )
 
-from fxfuse.graph_diff import op_counts, snapshot
+from fxfuse.inspect.graph_diff import op_counts, snapshot
 from fxfuse.passes import merge_allreduce
 from fxfuse.passes.config import MERGE_ALLREDUCE, PATTERNS, PassConfig
 

@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 import torch
 
-from fxfuse.launch import run_on_ranks
+from fxfuse.runner.launch import run_on_ranks
 from fxfuse.models.deepseek_v3 import DeepseekV3ForCausalLM
 from fxfuse.models.parallel import ParallelContext
 from fxfuse.models.presets import get_preset

@@ -31,7 +31,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from fxfuse.backend import FxfuseBackend, fusion_summary
-from fxfuse.launch import run_on_ranks
+from fxfuse.runner.launch import run_on_ranks
 from fxfuse.models.deepseek_v3 import DeepseekV3ForCausalLM
 from fxfuse.models.parallel import ParallelContext
 from fxfuse.models.presets import get_preset

@@ -21,7 +21,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM as HFDeepseekV3
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
 
-from fxfuse.launch import run_on_ranks
+from fxfuse.runner.launch import run_on_ranks
 from fxfuse.models.config import ModelConfig
 from fxfuse.models.deepseek_v3 import DeepseekV3ForCausalLM
 from fxfuse.models.parallel import ParallelContext

@@ -11,8 +11,8 @@ import pytest
 import torch
 from toy_graphs import fake_process_group
 
-from fxfuse import cuda_allreduce_norm
-from fxfuse.ops import add_rmsnorm, allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps
+from fxfuse.op import cuda_dispatch
+from fxfuse.op.schema import add_rmsnorm, allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps
 
 SCHEMA = (
     "fxfuse::allreduce_residual_rmsnorm(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name)"
@@ -99,7 +99,7 @@ def _op_on_rank(ctx):
 def test_reference_numerics_on_two_gloo_ranks():
     """all_reduce in the input dtype, add rounded to it, fp32 norm, cast back, times weight:
     bit-identical to that arithmetic, identical on both ranks, and close to a float64 evaluation."""
-    from fxfuse.launch import run_on_ranks
+    from fxfuse.runner.launch import run_on_ranks
 
     rank0, rank1 = run_on_ranks(_op_on_rank, 2)
     for (dtype, shape, _), case0, case1 in zip(_reference_cases(), rank0, rank1):
@@ -132,18 +132,18 @@ def test_cuda_kernel_returns_what_flashinfer_hook_returns(group, monkeypatch):
         return sentinel
 
     hook = types.SimpleNamespace(try_allreduce_residual_rmsnorm=try_fused)
-    monkeypatch.setattr(cuda_allreduce_norm, "flashinfer_hook", lambda: hook)
+    monkeypatch.setattr(cuda_dispatch, "flashinfer_hook", lambda: hook)
     args = _cuda_kernel_args(group)
-    assert cuda_allreduce_norm.allreduce_residual_rmsnorm_cuda(*args) is sentinel
+    assert cuda_dispatch.allreduce_residual_rmsnorm_cuda(*args) is sentinel
     assert calls == [args]
 
 
 @pytest.mark.parametrize("hook", [None, types.SimpleNamespace(try_allreduce_residual_rmsnorm=lambda *a: None)],
                          ids=["no_flashinfer_module", "flashinfer_declines"])
 def test_cuda_kernel_falls_back_to_collective_plus_reference(group, monkeypatch, hook):
-    monkeypatch.setattr(cuda_allreduce_norm, "flashinfer_hook", lambda: hook)
+    monkeypatch.setattr(cuda_dispatch, "flashinfer_hook", lambda: hook)
     x, residual, weight, eps, name = _cuda_kernel_args(group)
-    normed, residual_out = cuda_allreduce_norm.allreduce_residual_rmsnorm_cuda(x, residual, weight, eps, name)
+    normed, residual_out = cuda_dispatch.allreduce_residual_rmsnorm_cuda(x, residual, weight, eps, name)
     # the fake group's all-reduce leaves x as it is
     torch.testing.assert_close((normed, residual_out), add_rmsnorm(x, residual, weight, eps), rtol=0, atol=0)
 
@@ -152,12 +152,12 @@ def test_flashinfer_hook_is_optional(monkeypatch):
     def missing(name):
         raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 
-    monkeypatch.setattr(cuda_allreduce_norm.importlib, "import_module", missing)
-    cuda_allreduce_norm.flashinfer_hook.cache_clear()
+    monkeypatch.setattr(cuda_dispatch.importlib, "import_module", missing)
+    cuda_dispatch.flashinfer_hook.cache_clear()
     try:
-        assert cuda_allreduce_norm.flashinfer_hook() is None
+        assert cuda_dispatch.flashinfer_hook() is None
     finally:
-        cuda_allreduce_norm.flashinfer_hook.cache_clear()
+        cuda_dispatch.flashinfer_hook.cache_clear()
 
 
 def test_broken_flashinfer_hook_fails_loudly(monkeypatch):
@@ -166,20 +166,20 @@ def test_broken_flashinfer_hook_fails_loudly(monkeypatch):
     def broken(name):
         raise ModuleNotFoundError("No module named 'some_dependency'", name="some_dependency")
 
-    monkeypatch.setattr(cuda_allreduce_norm.importlib, "import_module", broken)
-    cuda_allreduce_norm.flashinfer_hook.cache_clear()
+    monkeypatch.setattr(cuda_dispatch.importlib, "import_module", broken)
+    cuda_dispatch.flashinfer_hook.cache_clear()
     try:
         with pytest.raises(ModuleNotFoundError, match="some_dependency"):
-            cuda_allreduce_norm.flashinfer_hook()
+            cuda_dispatch.flashinfer_hook()
     finally:
-        cuda_allreduce_norm.flashinfer_hook.cache_clear()
+        cuda_dispatch.flashinfer_hook.cache_clear()
 
 
 def test_cpu_paths_never_import_flashinfer():
     """Importing the op, its CUDA kernel module and the backend loads no FlashInfer code."""
     code = (
-        "import sys, fxfuse.ops, fxfuse.cuda_allreduce_norm, fxfuse.backend\n"
-        "loaded = [m for m in sys.modules if m.startswith('flashinfer') or m == 'fxfuse.flashinfer_fusion']\n"
+        "import sys, fxfuse.op.schema, fxfuse.op.cuda_dispatch, fxfuse.backend\n"
+        "loaded = [m for m in sys.modules if m.startswith('flashinfer') or m == 'fxfuse.op.fused_path']\n"
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

@@ -2,7 +2,7 @@
 
 import torch
 
-from fxfuse.models.speculative import accepted_length, next_drafts
+from fxfuse.runner.speculative import accepted_length, next_drafts
 
 
 def test_accepted_length_counts_leading_matches_only():

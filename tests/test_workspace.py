@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fxfuse.launch import run_on_ranks
-from fxfuse.workspace import WorkspaceNotPrepared, WorkspaceRegistry, fingerprint, workspace_bytes
+from fxfuse.runner.launch import run_on_ranks
+from fxfuse.op.workspace import WorkspaceNotPrepared, WorkspaceRegistry, fingerprint, workspace_bytes
 
 
 class FakeKernels:
@@ -148,7 +148,7 @@ def test_workspace_bytes_and_fingerprint():
 def test_cpu_paths_never_import_flashinfer():
     code = (
         "import sys, torch, fxfuse\n"
-        "import fxfuse.flashinfer_fusion as ff, fxfuse.flashinfer_kernels, fxfuse.workspace, fxfuse.bench_kernel\n"
+        "import fxfuse.op.fused_path as ff, fxfuse.op.trtllm_kernels, fxfuse.op.workspace, fxfuse.bench.kernel\n"
         "assert fxfuse.prepare is ff.prepare and fxfuse.destroy_workspaces is ff.destroy_workspaces\n"
         "w = torch.ones(8)\n"
         "assert ff.try_allreduce_residual_rmsnorm(torch.ones(2, 8), None, w, 1e-6, 'g') is None\n"

@@ -41,7 +41,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fxfuse.launch import run_on_ranks
+from fxfuse.runner.launch import run_on_ranks
 from flashinfer_gpu import FLASHINFER_GPU_MARKS
 
 pytestmark = FLASHINFER_GPU_MARKS
@@ -83,9 +83,9 @@ def unfused_sites(snapshot, context: int = 8) -> str:
 
 def capture_and_compare(ctx, case: str, inner: str) -> dict:
     """On one rank: prepare, compile, check fusion, capture, prefill, replay vs uncaptured and eager."""
-    from fxfuse import flashinfer_fusion as ff
+    from fxfuse.op import fused_path as ff
     from fxfuse.backend import FxfuseBackend
-    from fxfuse.models.cuda_graph_step import CudaGraphStep
+    from fxfuse.runner.cuda_graph_step import CudaGraphStep
     from fxfuse.models.deepseek_v3 import DeepseekV3ForCausalLM
     from fxfuse.models.random_weights import init_random_shards
 
@@ -114,7 +114,7 @@ def capture_and_compare(ctx, case: str, inner: str) -> dict:
     backend = FxfuseBackend(inner=inner, dump_dir=os.path.join(dump_root, f"{case}-{inner}") if dump_root else None)
     compiled = torch.compile(decoder, backend=backend, fullgraph=True, dynamic=False)
     generator = torch.Generator().manual_seed(1)
-    ff.try_allreduce_residual_rmsnorm = spy  # looked up per call by fxfuse.cuda_allreduce_norm
+    ff.try_allreduce_residual_rmsnorm = spy  # looked up per call by fxfuse.op.cuda_dispatch
     try:
         with torch.inference_mode():
             # Compile (and run once) outside capture: an all-reduce left unfused would be a gloo

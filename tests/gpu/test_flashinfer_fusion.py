@@ -15,7 +15,7 @@ import zlib
 import pytest
 import torch
 
-from fxfuse.launch import run_on_ranks
+from fxfuse.runner.launch import run_on_ranks
 from flashinfer_gpu import FLASHINFER_GPU_MARKS
 
 pytestmark = FLASHINFER_GPU_MARKS
@@ -52,8 +52,8 @@ def rel_errs(out, ref) -> tuple[float, float]:
 
 def fused_checks(ctx) -> dict:
     """On each rank: eager, no-residual, non-contiguous, CUDA-graph and op checks; returns errors and counters."""
-    from fxfuse import flashinfer_fusion as ff
-    from fxfuse.fusion_policy import FusionMode, FusionSettings
+    from fxfuse.op import fused_path as ff
+    from fxfuse.op.policy import FusionMode, FusionSettings
 
     torch.cuda.set_device(ctx.rank % torch.cuda.device_count())
     device, group_name = torch.device("cuda"), ctx.group.group_name
@@ -107,8 +107,8 @@ def fused_checks(ctx) -> dict:
             errors.append(rel_errs(out, reference(fresh_xs, fresh_residual, weight)))
         report["graph"][(tokens, mode.value)] = (ran_in_capture, errors)
 
-    if importlib.util.find_spec("fxfuse.ops") is not None:
-        import fxfuse.ops  # noqa: F401 - registers torch.ops.fxfuse.allreduce_residual_rmsnorm
+    if importlib.util.find_spec("fxfuse.op.schema") is not None:
+        import fxfuse.op.schema  # noqa: F401 - registers torch.ops.fxfuse.allreduce_residual_rmsnorm
 
         x, xs, residual, weight = inputs(ctx.rank, ctx.world_size, 32, 6, device)
         before = sum(ff.fusion_stats()["fused"].values())

@@ -29,10 +29,10 @@ import os
 import torch
 import torch.distributed as dist
 
-from fxfuse.fusion_policy import FusionDecision, FusionMode, FusionProblem, FusionSettings, decide, settings_from_env
-from fxfuse.fusion_policy import unsupported_reason
-from fxfuse.thresholds import ThresholdTable, load_thresholds
-from fxfuse.workspace import WorkspaceRegistry, fingerprint
+from fxfuse.op.policy import FusionDecision, FusionMode, FusionProblem, FusionSettings, decide, settings_from_env
+from fxfuse.op.policy import unsupported_reason
+from fxfuse.op.thresholds import ThresholdTable, load_thresholds
+from fxfuse.op.workspace import WorkspaceRegistry, fingerprint
 
 
 @functools.cache
@@ -49,7 +49,7 @@ def current_thresholds() -> ThresholdTable:
 
 @functools.cache
 def _kernels():
-    from fxfuse.flashinfer_kernels import TrtllmFusionKernels  # no FlashInfer import until load()
+    from fxfuse.op.trtllm_kernels import TrtllmFusionKernels  # no FlashInfer import until load()
 
     return TrtllmFusionKernels()
 
@@ -124,7 +124,7 @@ def try_allreduce_residual_rmsnorm(
 
     Returns (normed, residual_out) shaped like x. `settings` replaces the process's settings for
     this call (benchmarks and tests force one-shot or two-shot this way; it must be the same on
-    all ranks). Raises `fxfuse.workspace.WorkspaceNotPrepared` if the workspace would have to be
+    all ranks). Raises `fxfuse.op.workspace.WorkspaceNotPrepared` if the workspace would have to be
     created during CUDA-graph capture.
     """
     settings = settings or current_settings()

@@ -20,8 +20,8 @@ float64 scalar tensor inputs of the graph, and the fusion pass then passes that 
 compiled graph still honours a changed eps without a recompile. The pass uses it only for CPU
 scalars, so reading one never synchronizes a GPU.
 
-The CPU kernel (gloo) is the reference. The CUDA kernel lives in `fxfuse.cuda_allreduce_norm`, which
-is imported only when a CUDA tensor reaches the op. The fake kernel makes the op traceable with
+The CPU kernel (gloo) is the reference (its arithmetic is `fxfuse.op.reference.add_rmsnorm`). The CUDA
+kernel lives in `fxfuse.op.cuda_dispatch`, which is imported only when a CUDA tensor reaches the op. The fake kernel makes the op traceable with
 symbolic token counts. Both outputs are fresh tensors: they never alias an input.
 """
 
@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
+
+from fxfuse.op.reference import add_rmsnorm, resolve_group
 
 OP_NAME = "fxfuse::allreduce_residual_rmsnorm"
 TENSOR_EPS_OP_NAME = f"{OP_NAME}.tensor_eps"
@@ -42,26 +43,6 @@ torch.library.define(
     TENSOR_EPS_OP_NAME,
     "(Tensor x, Tensor? residual, Tensor weight, Tensor eps, str group_name) -> (Tensor normed, Tensor residual_out)",
 )
-
-
-def resolve_group(group_name: str) -> dist.ProcessGroup:
-    """The process group registered under `group_name` (the name functional collectives carry)."""
-    return _resolve_process_group(group_name)
-
-
-def add_rmsnorm(
-    reduced: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residual add in the input dtype, then RMSNorm in float32 cast back and scaled by `weight`.
-
-    Returns `(normed, residual_out)`; `reduced` is the already all-reduced activation. This is the
-    reference arithmetic every kernel of the fused op must reproduce.
-    """
-    residual_out = reduced if residual is None else reduced + residual
-    hidden = residual_out.to(torch.float32)
-    variance = hidden.pow(2).mean(-1, keepdim=True)
-    normed = (hidden * torch.rsqrt(variance + eps)).to(residual_out.dtype)
-    return weight * normed, residual_out
 
 
 @torch.library.register_kernel(OP_NAME, "cpu")
@@ -78,8 +59,8 @@ def _allreduce_residual_rmsnorm_cpu(
 def _allreduce_residual_rmsnorm_cuda(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, group_name: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """CUDA kernel: delegates to `fxfuse.cuda_allreduce_norm` (imported on first CUDA call)."""
-    from fxfuse.cuda_allreduce_norm import allreduce_residual_rmsnorm_cuda
+    """CUDA kernel: delegates to `fxfuse.op.cuda_dispatch` (imported on first CUDA call)."""
+    from fxfuse.op.cuda_dispatch import allreduce_residual_rmsnorm_cuda
 
     return allreduce_residual_rmsnorm_cuda(x, residual, weight, eps, group_name)
 

@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxfuse.backend import CompileRecord, FxfuseBackend
 from fxfuse.models.config import ModelConfig
 from fxfuse.models.parallel import ParallelContext
-from fxfuse.ops import FUSED_OPS
+from fxfuse.op.schema import FUSED_OPS
 from fxfuse.passes.allreduce_rmsnorm_fusion import explain_unfused
 from fxfuse.passes.config import PATTERNS
 from fxfuse.passes.pattern_support import ALL_REDUCE

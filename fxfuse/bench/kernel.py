@@ -1,13 +1,13 @@
 """`fxfuse bench kernel`: the fused all-reduce + residual + RMSNorm op against unfused, per token count.
 
 Variants (each checked against an fp32 reference, then timed by CUDA-graph replay):
-  fused-oneshot / fused-twoshot   FlashInfer's TensorRT-LLM kernel through fxfuse.flashinfer_fusion
+  fused-oneshot / fused-twoshot   FlashInfer's TensorRT-LLM kernel through fxfuse.op.fused_path
   nccl+inductor                   NCCL all-reduce, then add + RMSNorm compiled by Inductor
   nccl+flashinfer-norm            NCCL all-reduce, then FlashInfer's fused_add_rmsnorm
 Defaults: tokens 1, 2, 4, ..., 2048; hidden 7168 and 4096; bf16. A timing is the median over
 replays of a graph of --graph-iters calls, in microseconds per call, on the slowest rank.
 
-Launch with `torchrun --nproc-per-node N -m fxfuse.bench_kernel`, or `fxfuse bench kernel
+Launch with `torchrun --nproc-per-node N -m fxfuse.bench.kernel`, or `fxfuse bench kernel
 --world-size N`, which spawns N ranks over the visible GPUs. With fewer GPUs than ranks the
 ranks share GPUs over gloo: NCCL cannot do that, so the unfused variants run eagerly with a gloo
 all-reduce and are only checked, and the fused timings are labelled not meaningful (the GPU
@@ -32,9 +32,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from fxfuse.bench_output import package_versions, publish, relative_l2_error
-from fxfuse.bench_kernel_report import FUSED_MODES, VARIANTS, derive_thresholds, markdown, write_report
-from fxfuse.launch import run_on_ranks, under_torchrun
+from fxfuse.bench.output import package_versions, publish, relative_l2_error
+from fxfuse.bench.kernel_report import FUSED_MODES, VARIANTS, derive_thresholds, markdown, write_report
+from fxfuse.runner.launch import run_on_ranks, under_torchrun
 
 DEFAULT_TOKENS = tuple(2**i for i in range(12))  # 1 .. 2048
 DEFAULT_HIDDEN = (7168, 4096)
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write_thresholds(report: dict, path: Path) -> None:
-    from fxfuse.thresholds import ThresholdTable, read_table, write_table
+    from fxfuse.op.thresholds import ThresholdTable, read_table, write_table
 
     try:
         derived = derive_thresholds(report)
@@ -121,7 +121,7 @@ def _write_thresholds(report: dict, path: Path) -> None:
 
 def bench_rank(ctx, config: BenchConfig) -> dict | None:
     """One rank's part: measure every (hidden, tokens, variant); rank 0 returns the report."""
-    from fxfuse import flashinfer_fusion
+    from fxfuse.op import fused_path
 
     share_gpus = "gloo" in str(dist.get_backend(ctx.group))
     if share_gpus:
@@ -130,13 +130,13 @@ def bench_rank(ctx, config: BenchConfig) -> dict | None:
     bench = _RankBench(ctx, config, dtype, share_gpus)
     rows = []
     for hidden in config.hidden_sizes:
-        fused_ready = flashinfer_fusion.prepare(ctx.group, hidden, dtype, max(config.tokens))
+        fused_ready = fused_path.prepare(ctx.group, hidden, dtype, max(config.tokens))
         for tokens in config.tokens:
             rows += bench.measure_point(hidden, tokens, fused_ready)
-    flashinfer_fusion.destroy_workspaces(ctx.group)
+    fused_path.destroy_workspaces(ctx.group)
     if ctx.rank != 0:
         return None
-    return _report(config, ctx.world_size, share_gpus, rows, flashinfer_fusion.fusion_stats())
+    return _report(config, ctx.world_size, share_gpus, rows, fused_path.fusion_stats())
 
 
 @dataclass(frozen=True)
@@ -214,8 +214,8 @@ class _RankBench:
         return _Runs(check, timed)
 
     def _fused_runs(self, variant, x, residual, weight, fused_ready) -> "_Runs | str":
-        from fxfuse.flashinfer_fusion import try_allreduce_residual_rmsnorm
-        from fxfuse.fusion_policy import FusionProblem, FusionSettings, feasible_modes
+        from fxfuse.op.fused_path import try_allreduce_residual_rmsnorm
+        from fxfuse.op.policy import FusionProblem, FusionSettings, feasible_modes
 
         if not fused_ready:
             return "fused workspace unavailable (see the log)"
@@ -264,7 +264,7 @@ class _RankBench:
         return statistics.median(samples)
 
     def _max_over_ranks(self, values: list[float]) -> list[float]:
-        from fxfuse.workspace import collective_device
+        from fxfuse.op.workspace import collective_device
 
         t = torch.tensor(values, dtype=torch.float64, device=collective_device(self.ctx.group))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctx.group)

@@ -12,22 +12,13 @@ The limits below are those of FlashInfer's TensorRT-LLM fusion kernel
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 import torch
 
-if TYPE_CHECKING:
-    from fxfuse.thresholds import ThresholdEntry
-
-
-class FusionMode(str, enum.Enum):
-    """How one all-reduce + residual add + RMSNorm call runs."""
-
-    ONESHOT = "oneshot"  # every rank reads all peers' data (Lamport buffers): lowest latency, small inputs
-    TWOSHOT = "twoshot"  # reduce-scatter then all-gather inside one kernel: larger inputs
-    FALLBACK = "fallback"  # not fused: NCCL all-reduce, then add + RMSNorm
+from fxfuse.op.modes import FusionMode
+from fxfuse.op.thresholds import ThresholdEntry
 
 
 #: World sizes the fusion kernel is instantiated for.
@@ -199,7 +190,7 @@ def flashinfer_prefers_oneshot(problem: FusionProblem) -> bool:
 
 
 def decide(
-    problem: FusionProblem, settings: FusionSettings, entry: "ThresholdEntry | None" = None
+    problem: FusionProblem, settings: FusionSettings, entry: ThresholdEntry | None = None
 ) -> FusionDecision:
     """Choose one-shot, two-shot or fallback for `problem`.
 

@@ -21,7 +21,7 @@ from fxfuse.models.deepseek_v3 import DeepseekV3ForCausalLM
 from fxfuse.models.parallel import ParallelContext
 from fxfuse.models.presets import PRESETS, get_preset
 from fxfuse.models.random_weights import init_random_shards, random_hf_state_dict
-from fxfuse.models.step_backends import BACKENDS
+from fxfuse.runner.step_backends import BACKENDS
 from fxfuse.models.weights import DictSource, SafetensorsSource, load_weights
 
 #: Widest step (tokens per sequence) the runner takes, with or without a CUDA graph.

@@ -15,7 +15,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from fxfuse.models.progress import Progress
+from fxfuse.runner.progress import Progress
 
 #: Default widths (tokens per sequence per step) that get their own graph.
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128)

@@ -4,7 +4,7 @@ One entry per (GPU name, world size, hidden size, dtype) holds ordered token ran
 a mode: `{"max_tokens": 64, "mode": "oneshot"}, {"max_tokens": 512, "mode": "twoshot"}` means
 one-shot up to 64 tokens, two-shot from 65 to 512, unfused (fallback) above 512.
 
-`load_thresholds()` reads fxfuse/default_thresholds.json, then an override file (its `path`
+`load_thresholds()` reads fxfuse/op/default_thresholds.json, then an override file (its `path`
 argument, else the file named by the FXFUSE_THRESHOLDS environment variable), whose entries
 replace default entries with the same key. Entries are written by
 `fxfuse bench kernel --write-thresholds`. Every rank must see the same files, since the table
@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import torch
 
-from fxfuse.fusion_policy import FusionMode
+from fxfuse.op.modes import FusionMode
 
 ENV_THRESHOLDS = "FXFUSE_THRESHOLDS"
 DEFAULT_PATH = Path(__file__).with_name("default_thresholds.json")

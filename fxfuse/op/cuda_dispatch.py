@@ -1,11 +1,11 @@
 """CUDA kernel of `fxfuse::allreduce_residual_rmsnorm`: FlashInfer when it takes the call, else NCCL.
 
-The hook: if a module `fxfuse.flashinfer_fusion` exists (written in the FlashInfer issue), its
+The hook: if a module `fxfuse.op.fused_path` exists (written in the FlashInfer issue), its
 `try_allreduce_residual_rmsnorm(x, residual, weight, eps, group_name)` is asked first. It returns
-`(normed, residual_out)` with the semantics documented in `fxfuse.ops`, or None to decline (GPU or
+`(normed, residual_out)` with the semantics documented in `fxfuse.op.schema`, or None to decline (GPU or
 shape it does not handle, policy says unfused); that decision must be the same on every rank.
 Otherwise the fallback runs: an NCCL all-reduce over the named group on a copy of `x`, then the
-add + RMSNorm reference arithmetic (`fxfuse.ops.add_rmsnorm`) as eager CUDA kernels.
+add + RMSNorm reference arithmetic (`fxfuse.op.schema.add_rmsnorm`) as eager CUDA kernels.
 
 Importing this module never imports FlashInfer or touches CUDA, so it is safe on CPU-only machines.
 """
@@ -19,14 +19,14 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
-from fxfuse.ops import add_rmsnorm, resolve_group
+from fxfuse.op.reference import add_rmsnorm, resolve_group
 
-FLASHINFER_HOOK_MODULE = "fxfuse.flashinfer_fusion"
+FLASHINFER_HOOK_MODULE = "fxfuse.op.fused_path"
 
 
 @functools.cache
 def flashinfer_hook() -> ModuleType | None:
-    """The optional `fxfuse.flashinfer_fusion` module, or None when it is not installed."""
+    """The optional `fxfuse.op.fused_path` module, or None when it is not installed."""
     try:
         return importlib.import_module(FLASHINFER_HOOK_MODULE)
     except ModuleNotFoundError as err:

@@ -11,9 +11,9 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
-from fxfuse.bench_output import write_result_files
-from fxfuse.fusion_policy import FusionMode
-from fxfuse.thresholds import ThresholdEntry, ThresholdTable, TokenRange
+from fxfuse.bench.output import write_result_files
+from fxfuse.op.modes import FusionMode
+from fxfuse.op.thresholds import ThresholdEntry, ThresholdTable, TokenRange
 
 #: Benchmark variants in table order, with the column titles used in reports.
 VARIANTS = {

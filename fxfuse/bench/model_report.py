@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from fxfuse.bench_output import write_result_files
+from fxfuse.bench.output import write_result_files
 
 BACKEND_ORDER = ("eager", "inductor", "fxfuse")
 

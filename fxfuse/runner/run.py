@@ -17,13 +17,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from fxfuse.launch import run_on_ranks
-from fxfuse.models.cuda_graph_step import DEFAULT_WIDTHS, CudaGraphStep
+from fxfuse.runner.launch import run_on_ranks
+from fxfuse.runner.cuda_graph_step import DEFAULT_WIDTHS, CudaGraphStep
 from fxfuse.models.parallel import ParallelContext
-from fxfuse.models.progress import Progress
-from fxfuse.models.run_setup import COMPARE_TARGETS, DTYPES, RunSetup, prepare_run
-from fxfuse.models.speculative import accepted_length, next_drafts
-from fxfuse.models.step_backends import BACKENDS, compile_step
+from fxfuse.runner.progress import Progress
+from fxfuse.runner.setup import COMPARE_TARGETS, DTYPES, RunSetup, prepare_run
+from fxfuse.runner.speculative import accepted_length, next_drafts
+from fxfuse.runner.step_backends import BACKENDS, compile_step
 
 __all__ = ["BACKENDS", "COMPARE_TARGETS", "DTYPES", "RunOptions", "run", "run_rank"]
 

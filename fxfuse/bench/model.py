@@ -8,7 +8,7 @@ is the median over `--repeats` samples of `--iters` replays (slowest rank). Ever
 are checked against eager on the same inputs and cache (relative L2 error, loose tolerance). At tp > 1 it also times the collectives alone: the
 step's all-reduces ([batch * width, hidden] each, as many as the step does) captured in one graph,
 and reports their share of the unfused (Inductor) step. Results go to --out-dir as JSON, markdown
-and PNG (see `fxfuse.bench_model_report`).
+and PNG (see `fxfuse.bench.model_report`).
 
 `--device cpu` is a smoke run of the same code (gloo ranks, no CUDA graphs, wall-clock timing):
 it checks the benchmark, not the speed. Launch under torchrun to join an existing launch.
@@ -31,11 +31,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from fxfuse.bench_model_report import markdown, write_report
-from fxfuse.bench_output import package_versions, publish, relative_l2_error
-from fxfuse.launch import run_on_ranks, under_torchrun
-from fxfuse.models.progress import Progress
-from fxfuse.models.step_backends import BACKENDS, CompiledStep, compile_step
+from fxfuse.bench.model_report import markdown, write_report
+from fxfuse.bench.output import package_versions, publish, relative_l2_error
+from fxfuse.runner.launch import run_on_ranks, under_torchrun
+from fxfuse.runner.progress import Progress
+from fxfuse.runner.step_backends import BACKENDS, CompiledStep, compile_step
 
 DEFAULT_TOKENS = (1, 4, 16, 64)
 DEFAULT_BATCHES = (1, 8)
@@ -273,7 +273,7 @@ def _step_inputs(config: ModelBenchConfig, vocab_size: int, batch: int, width: i
 
 def _captured(step: Callable, batch: int, widths: tuple[int, ...], device: torch.device, progress: Progress) -> Callable:
     """The step with one CUDA graph per width captured (compiling first where needed); calls replay."""
-    from fxfuse.models.cuda_graph_step import CudaGraphStep
+    from fxfuse.runner.cuda_graph_step import CudaGraphStep
 
     return CudaGraphStep(step, batch, widths, device, progress=progress)
 
@@ -353,7 +353,7 @@ def _max_over_ranks(ctx, values: list[float]) -> list[float]:
     """Element-wise maximum of `values` over the group (the values themselves at tp=1)."""
     if ctx.world_size == 1:
         return list(values)
-    from fxfuse.workspace import collective_device
+    from fxfuse.op.workspace import collective_device
 
     t = torch.tensor(values, dtype=torch.float64, device=collective_device(ctx.group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)

@@ -1,0 +1,3 @@
+"""`fxfuse run`: option checks and model construction (`setup`), the rank launcher (`launch`), step
+compilation (`step_backends`), CUDA-graph replay (`cuda_graph_step`), speculative-verify bookkeeping
+(`speculative`), progress lines (`progress`) and the run itself (`run`)."""
