@@ -9,8 +9,8 @@ __version__ = "0.1.0"
 
 #: Public names loaded on first access, so `import fxfuse` never imports CUDA code or FlashInfer.
 _LAZY_EXPORTS = {
-    "prepare": "fxfuse.op.fused_path",
-    "destroy_workspaces": "fxfuse.op.fused_path",
+    "prepare": "fxfuse.op.prepare",
+    "destroy_workspaces": "fxfuse.op.prepare",
 }
 
 

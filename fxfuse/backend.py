@@ -5,7 +5,8 @@
 be passed instead: `torch.compile(model, backend=FxfuseBackend(inner="eager", patterns=...))`.
 
 Data path: dynamo graph -> AOT autograd (functional ATen, Inductor's decompositions) -> the passes
-(`merge_allreduce`, then `allreduce_rmsnorm_fusion`) -> the inner compiler. With `inner="inductor"`
+(`merge_allreduce`, then `allreduce_rmsnorm_fusion`; for Inductor also `donate_allreduce_input`) -> the
+inner compiler. With `inner="inductor"`
 the passes run as Inductor's `post_grad_custom_post_pass`; with `inner="eager"` they run on the AOT
 forward graph after the clean-ups Inductor does before that point, and the graph then runs as is. Every pass run is recorded on the backend object (`records`): the graph before and after, and
 `FusionStats`. The same numbers are also summed into `torch._dynamo.utils.counters["fxfuse"]`, the
@@ -29,7 +30,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from fxfuse.inspect.graph_diff import GraphSnapshot, render_diff, snapshot
 from fxfuse.op.schema import FUSED_OPS
-from fxfuse.passes import allreduce_rmsnorm_fusion, merge_allreduce
+from fxfuse.passes import allreduce_rmsnorm_fusion, donate_allreduce_input, merge_allreduce
 from fxfuse.passes.config import PATTERNS, PassConfig
 
 INNER_COMPILERS = ("inductor", "eager")
@@ -84,7 +85,8 @@ def fusion_stats(graph: torch.fx.Graph, before: GraphSnapshot, after: GraphSnaps
 
 
 class _PostGradFusionPass(CustomGraphPass):
-    """The fxfuse rewrite as Inductor's `post_grad_custom_post_pass`.
+    """The fxfuse rewrite as Inductor's `post_grad_custom_post_pass`, then the donation of each fused
+    op's input (`fxfuse.passes.donate_allreduce_input`), which Inductor's re-inplacing pass completes.
 
     `uuid()` is None, which turns Inductor's FX graph cache off for graphs compiled with it: a cache
     hit would skip the pass, so nothing would be recorded for that compile.
@@ -95,6 +97,7 @@ class _PostGradFusionPass(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         self._rewrite(graph)
+        donate_allreduce_input.run(graph)
 
     def uuid(self) -> None:
         return None

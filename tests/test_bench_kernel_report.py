@@ -18,20 +18,22 @@ def row(hidden, tokens, variant, us, status="ok", err=3e-3):
 
 
 def report(meaningful=True):
-    # hidden 7168: one-shot wins at 1-2 tokens, two-shot at 4, unfused at 8.
-    times = {1: (5.0, None, 20.0, 18.0), 2: (6.0, None, 20.0, 18.0), 4: (12.0, 9.0, 21.0, 19.0), 8: (30.0, 25.0, 22.0, 21.0)}
+    # hidden 7168: one-shot wins at 1-2 tokens, two-shot at 4, PCIe at 8, unfused (the fallback) at 16.
+    times = {1: (5.0, None, 9.0, 20.0, 18.0), 2: (6.0, None, 9.0, 20.0, 18.0), 4: (12.0, 9.0, 10.0, 21.0, 19.0),
+             8: (30.0, 25.0, 11.0, 22.0, 21.0), 16: (40.0, 35.0, 30.0, 22.0, 23.0)}
     rows = []
-    for tokens, (one, two, ind, fin) in times.items():
+    for tokens, (one, two, pcie, fallback, ind) in times.items():
         rows.append(row(7168, tokens, "fused-oneshot", one))
         rows.append(row(7168, tokens, "fused-twoshot", two, status="ok" if two else "n/a"))
+        rows.append(row(7168, tokens, "pcie", pcie))
+        rows.append(row(7168, tokens, "fallback", fallback))
         rows.append(row(7168, tokens, "nccl+inductor", ind))
-        rows.append(row(7168, tokens, "nccl+flashinfer-norm", fin))
     return {
-        "gpu": "NVIDIA H200", "world_size": 2, "dtype": "bfloat16", "date": "2026-11-29T08:00:00+00:00",
+        "gpu": "NVIDIA H200", "world_size": 2, "topology": "pcie", "dtype": "bfloat16", "date": "2026-11-29T08:00:00+00:00",
         "stamp": "20261129-080000", "command": "fxfuse bench kernel", "versions": {"torch": "2.11"},
         "graph_iters": 20, "repeats": 50, "max_rel_err": 3e-3, "tolerance": 2e-2,
         "timings_meaningful": meaningful, "timing_note": "" if meaningful else "2 ranks time-slice 1 GPU(s)",
-        "tokens": [1, 2, 4, 8], "hidden_sizes": [7168], "results": rows,
+        "tokens": [1, 2, 4, 8, 16], "hidden_sizes": [7168], "results": rows,
     }
 
 
@@ -44,10 +46,11 @@ def test_parse_args_defaults_and_validation():
 
 def test_derive_thresholds_picks_fastest_and_merges_ranges():
     table = derive_thresholds(report())
-    e = table.lookup("NVIDIA H200", 2, 7168, "bfloat16")
+    e = table.lookup("NVIDIA H200", 2, 7168, "bfloat16", "pcie")
+    assert e.topology == "pcie" and table.lookup("NVIDIA H200", 2, 7168, "bfloat16", "nvswitch") is None
     assert [(r.max_tokens, r.mode) for r in e.ranges] == [
-        (2, FusionMode.ONESHOT), (4, FusionMode.TWOSHOT), (8, FusionMode.FALLBACK)]
-    assert e.mode_for(3) is FusionMode.TWOSHOT and e.mode_for(9) is FusionMode.FALLBACK
+        (2, FusionMode.ONESHOT), (4, FusionMode.TWOSHOT), (8, FusionMode.PCIE), (16, FusionMode.FALLBACK)]
+    assert e.mode_for(3) is FusionMode.TWOSHOT and e.mode_for(17) is FusionMode.FALLBACK
 
 
 def test_no_thresholds_from_shared_gpu_timings():
@@ -57,8 +60,8 @@ def test_no_thresholds_from_shared_gpu_timings():
 
 def test_markdown_labels_shared_gpu_timings():
     text = markdown(report(meaningful=False))
-    assert "timings not meaningful" in text and "| 1 | 5.00* | n/a | 20.00* | 18.00* |" in text
-    assert "| 4 | 12.00 | 9.00 | 21.00 | 19.00 |" in markdown(report())
+    assert "timings not meaningful" in text and "| 1 | 5.00* | n/a | 9.00* | 20.00* | 18.00* |" in text
+    assert "| 4 | 12.00 | 9.00 | 10.00 | 21.00 | 19.00 |" in markdown(report())
 
 
 def test_write_report_files(tmp_path):

@@ -1,4 +1,6 @@
-"""CPU tests of the fused-or-fallback decision, the thresholds table and the settings parser."""
+"""CPU tests of the decision table (every branch: settings, topology, FlashInfer version gates, arch,
+world size, dtypes, alignment, launch shape, workspace capacity, thresholds), the thresholds table and
+the settings parser."""
 
 from __future__ import annotations
 
@@ -10,17 +12,18 @@ import random
 import pytest
 import torch
 
+from fxfuse.op.flashinfer_version import features, parse_version
+from fxfuse.op.modes import FusionMode
 from fxfuse.op.policy import (
     FusionDecision,
-    FusionMode,
     FusionProblem,
-    FusionSettings,
     decide,
-    feasible_modes,
-    kernel_threads_per_block,
+    feasible_trtllm_modes,
     flashinfer_prefers_oneshot,
-    settings_from_env,
+    kernel_threads_per_block,
+    trtllm_token_cap,
 )
+from fxfuse.op.settings import FusionSettings, settings_from_env
 from fxfuse.op.thresholds import (
     DEFAULT_PATH,
     ENV_THRESHOLDS,
@@ -32,23 +35,43 @@ from fxfuse.op.thresholds import (
     read_table,
     write_table,
 )
+from fxfuse.op.topology import Topology
 
 H200 = "NVIDIA H200"
 AUTO = FusionSettings()
+FI_063, FI_0617, FI_072 = features("0.6.3"), features("0.6.18.post1"), features("0.7.2.post1")
 
 
 def problem(**changes) -> FusionProblem:
-    """A fusable problem (H200, tp=2, bf16, hidden 7168, 32 tokens, 512-token workspace), changed."""
+    """A fusable problem (H200 NVSwitch, tp=2, bf16, hidden 7168, 32 tokens, 512-token workspaces,
+    FlashInfer 0.7.2), changed."""
     base = FusionProblem(
         sm=90, world_size=2, dtype=torch.bfloat16, hidden_size=7168, num_tokens=32,
-        workspace_max_tokens=512, weight_dtype=torch.bfloat16, residual_dtype=torch.bfloat16,
+        weight_dtype=torch.bfloat16, residual_dtype=torch.bfloat16, topology=Topology.NVSWITCH,
+        flashinfer=FI_072, trtllm_max_tokens=512, pcie_max_tokens=512,
     )
     return dataclasses.replace(base, **changes)
 
 
-def entry(ranges, gpu=H200, world_size=2, hidden_size=7168, dtype="bfloat16") -> ThresholdEntry:
+def entry(ranges, gpu=H200, world_size=2, hidden_size=7168, dtype="bfloat16", topology="any") -> ThresholdEntry:
     return ThresholdEntry(gpu, world_size, hidden_size, dtype,
-                          tuple(TokenRange(n, FusionMode(m)) for n, m in ranges), source="test")
+                          tuple(TokenRange(n, FusionMode(m)) for n, m in ranges), source="test", topology=topology)
+
+
+# --- the FlashInfer version gates -------------------------------------------------------------
+
+def test_flashinfer_version_gates():
+    assert parse_version("0.7.2.post1") == (0, 7, 2) and parse_version("0.6.18rc1") == (0, 6, 18)
+    assert (FI_063.trtllm, FI_063.trtllm_sm12, FI_063.pcie) == (True, False, False)
+    assert (FI_0617.trtllm, FI_0617.trtllm_sm12, FI_0617.pcie) == (True, True, False)
+    assert (FI_072.trtllm, FI_072.trtllm_sm12, FI_072.pcie) == (True, True, True)
+    for outside in ("0.6.2", "0.8.0", "1.0", "nonsense"):
+        gates = features(outside)
+        assert not (gates.trtllm or gates.pcie) and "outside" in gates.why_not
+    assert "not installed" in features(None).why_not
+    assert FI_063.trtllm_arch_supported(90) and FI_063.trtllm_arch_supported(103)
+    assert not FI_063.trtllm_arch_supported(120) and FI_0617.trtllm_arch_supported(120)
+    assert not FI_072.trtllm_arch_supported(80)
 
 
 # --- every fallback branch -------------------------------------------------------------------
@@ -57,6 +80,7 @@ def entry(ranges, gpu=H200, world_size=2, hidden_size=7168, dtype="bfloat16") ->
     "changes, settings, reason_part",
     [
         ({}, FusionSettings(enabled=False), "disabled"),
+        ({"num_tokens": 0}, AUTO, "no tokens"),
         ({"world_size": 1}, AUTO, "world size 1"),
         ({"world_size": 3}, AUTO, "world size 3"),
         ({"world_size": 32}, AUTO, "world size 32"),
@@ -64,11 +88,19 @@ def entry(ranges, gpu=H200, world_size=2, hidden_size=7168, dtype="bfloat16") ->
         ({"weight_dtype": torch.float32}, AUTO, "norm weight dtype"),
         ({"residual_dtype": torch.float16}, AUTO, "residual dtype"),
         ({"sm": 80}, AUTO, "sm_80"),
-        ({"sm": 120}, AUTO, "sm_120"),
+        ({"sm": 120, "flashinfer": FI_063}, AUTO, "needs 0.6.17"),
         ({"hidden_size": 7170}, AUTO, "multiple of 8"),
         ({"hidden_size": 8 * 8 * 1024 + 8}, AUTO, "too large"),
-        ({"num_tokens": 0}, AUTO, "no tokens"),
-        ({"num_tokens": 513}, AUTO, "exceed the workspace"),
+        ({"num_tokens": 513}, AUTO, "do not fit the TensorRT-LLM workspace"),
+        ({"trtllm_max_tokens": 0}, AUTO, "do not fit the TensorRT-LLM workspace"),
+        ({"flashinfer": features(None)}, AUTO, "not installed"),
+        ({"flashinfer": features("0.9.0")}, AUTO, "outside"),
+        ({"topology": Topology.NVLINK}, AUTO, "NVLink-bridge"),
+        ({"topology": Topology.NONE}, AUTO, "no peer-to-peer"),
+        ({"topology": Topology.PCIE, "flashinfer": FI_0617}, AUTO, "older than 0.7.2"),
+        ({"topology": Topology.PCIE, "world_size": 16}, AUTO, "not supported by the PCIe all-reduce"),
+        ({"topology": Topology.PCIE, "pcie_max_tokens": 16}, AUTO, "do not fit the PCIe workspace"),
+        ({"topology": Topology.PCIE, "hidden_size": 7170}, AUTO, "multiple of 8"),
     ],
 )
 def test_unsupported_problems_fall_back(changes, settings, reason_part):
@@ -77,13 +109,35 @@ def test_unsupported_problems_fall_back(changes, settings, reason_part):
     assert reason_part in decision.reason
 
 
+def test_topology_picks_the_implementation():
+    assert decide(problem(), AUTO).mode is FusionMode.ONESHOT
+    pcie = decide(problem(topology=Topology.PCIE), AUTO)
+    assert pcie == FusionDecision(FusionMode.PCIE, "PCIe group")
+    # SM 12.x PCIe box (RTX PRO 6000): PCIe all-reduce by default, the TensorRT-LLM kernel only when asked
+    rtx = problem(sm=120, topology=Topology.PCIE, world_size=8)
+    assert decide(rtx, AUTO).mode is FusionMode.PCIE
+    assert decide(rtx, FusionSettings(force_mode=FusionMode.ONESHOT)).mode is FusionMode.ONESHOT
+    assert decide(dataclasses.replace(rtx, flashinfer=FI_063), FusionSettings(force_mode=FusionMode.ONESHOT)).mode is FusionMode.FALLBACK
+    # NVLink bridges (H200 NVL): unfused unless forced or measured
+    nvl = problem(topology=Topology.NVLINK)
+    assert not decide(nvl, AUTO).fused
+    assert decide(nvl, FusionSettings(force_mode=FusionMode.TWOSHOT)).mode is FusionMode.TWOSHOT
+    assert decide(nvl, AUTO, entry([(64, "oneshot")], topology="nvlink")).mode is FusionMode.ONESHOT
+
+
+def test_forced_pcie_runs_wherever_it_can():
+    assert decide(problem(), FusionSettings(force_mode=FusionMode.PCIE)).mode is FusionMode.PCIE
+    no_pcie = decide(problem(flashinfer=FI_063), FusionSettings(force_mode=FusionMode.PCIE))
+    assert no_pcie.mode is FusionMode.FALLBACK and "forced by settings, but PCIe all-reduce unavailable" in no_pcie.reason
+
+
 def test_supported_arches_and_dtypes_fuse():
     for sm in (90, 100, 103):
         assert decide(problem(sm=sm), AUTO).fused
     fp16 = problem(dtype=torch.float16, weight_dtype=torch.float16, residual_dtype=torch.float16)
     assert decide(fp16, AUTO).fused
     assert decide(problem(residual_dtype=None), AUTO).fused  # no residual: fused with a zero residual
-    assert decide(problem(sm=120), FusionSettings(supported_sm_majors=(9, 10, 12))).fused
+    assert decide(problem(sm=120, flashinfer=FI_0617), AUTO).fused
 
 
 def test_fp16_alignment_uses_its_element_size():
@@ -105,24 +159,32 @@ def test_partial_warp_launch_shapes_fall_back(hidden, threads):
     assert not decision.fused and f"{threads}-thread blocks" in decision.reason
 
 
+def test_workspace_token_cap_keeps_lamport_offsets_in_32_bits():
+    # tp=8, hidden 7168: 8 * 7168 * 2 = 114688 bytes per token; < 1 GiB allows 9362 tokens.
+    assert trtllm_token_cap(8, 7168) == 9362
+    assert 8 * 9362 * 7168 * 2 * 2 <= 2**31 - 1 < 8 * 9363 * 7168 * 2 * 2
+    assert trtllm_token_cap(2, 4096) == (2**31 - 1) // 2 // (2 * 4096 * 2)
+
+
 # --- one-shot / two-shot without a table: FlashInfer's heuristic ---------------------------
 
 def test_flashinfer_heuristic_boundaries():
     # tp=8, hidden 7168, bf16: 7168*2*8*2 bytes = 0.21875 MiB per token; 42 MiB -> 192 tokens.
-    tp8 = dict(world_size=8, workspace_max_tokens=2048)
+    tp8 = dict(world_size=8, trtllm_max_tokens=2048)
     assert flashinfer_prefers_oneshot(problem(num_tokens=192, **tp8))
     assert not flashinfer_prefers_oneshot(problem(num_tokens=193, **tp8))
-    assert decide(problem(num_tokens=192, **tp8), AUTO) == FusionDecision(FusionMode.ONESHOT, "FlashInfer heuristic")
-    assert decide(problem(num_tokens=193, **tp8), AUTO) == FusionDecision(FusionMode.TWOSHOT, "FlashInfer heuristic")
+    heuristic = "NVSwitch group: FlashInfer heuristic"
+    assert decide(problem(num_tokens=192, **tp8), AUTO) == FusionDecision(FusionMode.ONESHOT, heuristic)
+    assert decide(problem(num_tokens=193, **tp8), AUTO) == FusionDecision(FusionMode.TWOSHOT, heuristic)
     # tp=16 is not in FlashInfer's table: the kernel's 128-token one-shot limit applies.
-    tp16 = dict(world_size=16, workspace_max_tokens=2048)
+    tp16 = dict(world_size=16, trtllm_max_tokens=2048)
     assert decide(problem(num_tokens=128, **tp16), AUTO).mode is FusionMode.ONESHOT
     assert decide(problem(num_tokens=129, **tp16), AUTO).mode is FusionMode.TWOSHOT
 
 
 def test_two_shot_needs_more_tokens_than_ranks():
-    assert feasible_modes(problem(num_tokens=2)) == (FusionMode.ONESHOT,)
-    assert feasible_modes(problem(num_tokens=3)) == (FusionMode.ONESHOT, FusionMode.TWOSHOT)
+    assert feasible_trtllm_modes(problem(num_tokens=2)) == (FusionMode.ONESHOT,)
+    assert feasible_trtllm_modes(problem(num_tokens=3)) == (FusionMode.ONESHOT, FusionMode.TWOSHOT)
     forced = decide(problem(num_tokens=2), FusionSettings(force_mode=FusionMode.TWOSHOT))
     assert forced.mode is FusionMode.ONESHOT and "cannot run here" in forced.reason
     assert decide(problem(num_tokens=3), FusionSettings(force_mode=FusionMode.TWOSHOT)).mode is FusionMode.TWOSHOT
@@ -130,8 +192,8 @@ def test_two_shot_needs_more_tokens_than_ranks():
 
 def test_one_shot_limited_by_lamport_buffer_size():
     # 16 ranks * 2 bytes * 65536 hidden * 1024 tokens = 2 GiB > FlashInfer's one-shot limit.
-    big = problem(world_size=16, hidden_size=65536, num_tokens=1024, workspace_max_tokens=1024)
-    assert feasible_modes(big) == (FusionMode.TWOSHOT,)
+    big = problem(world_size=16, hidden_size=65536, num_tokens=1024, trtllm_max_tokens=1024)
+    assert feasible_trtllm_modes(big) == (FusionMode.TWOSHOT,)
     assert decide(big, FusionSettings(force_mode=FusionMode.ONESHOT)).mode is FusionMode.TWOSHOT
 
 
@@ -144,17 +206,20 @@ def test_forced_mode_overrides_table():
 # --- thresholds table -------------------------------------------------------------------------
 
 def test_table_entry_ranges_decide():
-    table_entry = entry([(16, "oneshot"), (256, "twoshot"), (512, "fallback")])
-    modes = {n: decide(problem(num_tokens=n), AUTO, table_entry).mode for n in (1, 16, 17, 256, 257, 512)}
-    assert modes == {1: FusionMode.ONESHOT, 16: FusionMode.ONESHOT, 17: FusionMode.TWOSHOT,
-                     256: FusionMode.TWOSHOT, 257: FusionMode.FALLBACK, 512: FusionMode.FALLBACK}
+    table_entry = entry([(16, "oneshot"), (128, "twoshot"), (256, "pcie"), (512, "fallback")])
+    modes = {n: decide(problem(num_tokens=n), AUTO, table_entry).mode for n in (1, 16, 17, 128, 129, 256, 257, 512)}
+    assert modes == {1: FusionMode.ONESHOT, 16: FusionMode.ONESHOT, 17: FusionMode.TWOSHOT, 128: FusionMode.TWOSHOT,
+                     129: FusionMode.PCIE, 256: FusionMode.PCIE, 257: FusionMode.FALLBACK, 512: FusionMode.FALLBACK}
     beyond = entry([(64, "oneshot")])
     decision = decide(problem(num_tokens=65), AUTO, beyond)
     assert decision.mode is FusionMode.FALLBACK and "unfused is faster at 65 tokens" in decision.reason
 
 
 def test_table_lookup_keys():
-    table = ThresholdTable({e.key(): e for e in [entry([(64, "oneshot")]), entry([(8, "oneshot")], hidden_size=4096)]})
+    table = ThresholdTable({e.key(): e for e in [entry([(64, "oneshot")]), entry([(8, "oneshot")], hidden_size=4096),
+                                                  entry([(4, "pcie")], topology="pcie")]})
+    assert table.lookup(H200, 2, 7168, torch.bfloat16, "pcie").ranges[0].mode is FusionMode.PCIE
+    assert table.lookup(H200, 2, 7168, torch.bfloat16, "nvswitch").ranges[0].max_tokens == 64  # the "any" entry
     assert table.lookup("nvidia  h200", 2, 7168, torch.bfloat16).ranges[0].max_tokens == 64
     assert table.lookup(H200, 2, 4096, "torch.bfloat16").ranges[0].max_tokens == 8
     assert table.lookup(H200, 4, 7168, torch.bfloat16) is None
@@ -220,7 +285,16 @@ def test_settings_from_env():
     assert settings_from_env({}) == FusionSettings()
     assert settings_from_env({"FXFUSE_FUSION": "off"}).enabled is False
     assert settings_from_env({"FXFUSE_FUSION": "TwoShot"}).force_mode is FusionMode.TWOSHOT
+    assert settings_from_env({"FXFUSE_FUSION": "pcie"}).force_mode is FusionMode.PCIE
     assert settings_from_env({"FXFUSE_MAX_TOKENS": "2048"}).max_tokens == 2048
+    assert settings_from_env({"FXFUSE_TOPOLOGY": "PCIe"}).topology is Topology.PCIE
+    assert settings_from_env({"FXFUSE_TOPOLOGY": "auto"}).topology is None
+    pcie = settings_from_env({"FXFUSE_PCIE_PROFILE": "rootcplx", "FXFUSE_PCIE_TUNE_CACHE": "/t/tune.json"})
+    assert (pcie.pcie_profile, pcie.pcie_tune_cache) == ("rootcplx", "/t/tune.json")
+    with pytest.raises(ValueError, match="FXFUSE_TOPOLOGY"):
+        settings_from_env({"FXFUSE_TOPOLOGY": "infiniband"})
+    with pytest.raises(ValueError, match="FXFUSE_PCIE_PROFILE"):
+        settings_from_env({"FXFUSE_PCIE_PROFILE": "fast"})
     with pytest.raises(ValueError, match="FXFUSE_FUSION"):
         settings_from_env({"FXFUSE_FUSION": "fast"})
     with pytest.raises(ValueError, match="FXFUSE_MAX_TOKENS"):
@@ -233,18 +307,18 @@ def test_settings_from_env():
 
 def test_problem_has_no_per_rank_field():
     fields = {f.name for f in dataclasses.fields(FusionProblem)}
-    assert fields == {"sm", "world_size", "dtype", "hidden_size", "num_tokens", "workspace_max_tokens",
-                      "weight_dtype", "residual_dtype"}
+    assert fields == {"sm", "world_size", "dtype", "hidden_size", "num_tokens", "weight_dtype", "residual_dtype",
+                      "topology", "flashinfer", "trtllm_max_tokens", "pcie_max_tokens"}
 
 
 def test_decision_depends_only_on_its_arguments(monkeypatch):
     """Two 'ranks' with different rank env, device and RNG state decide identically on a grid."""
     grid = [
-        problem(sm=sm, world_size=ws, num_tokens=n, hidden_size=h, workspace_max_tokens=m)
-        for sm in (80, 90, 100) for ws in (1, 2, 4, 8, 16) for n in (0, 1, 2, 3, 8, 9, 64, 193, 2048, 4096)
-        for h in (4096, 7168, 7170) for m in (512, 2048)
+        problem(sm=sm, world_size=ws, num_tokens=n, hidden_size=h, trtllm_max_tokens=m, pcie_max_tokens=m, topology=t)
+        for sm in (80, 90, 120) for ws in (1, 2, 8, 16) for n in (0, 1, 3, 9, 193, 4096)
+        for h in (4096, 7170) for m in (512, 2048) for t in Topology
     ]
-    table_entry = entry([(16, "oneshot"), (600, "twoshot")])
+    table_entry = entry([(16, "oneshot"), (64, "pcie"), (600, "twoshot")])
     settings = [AUTO, FusionSettings(force_mode=FusionMode.TWOSHOT), FusionSettings(enabled=False)]
 
     def decisions_as_rank(rank: int):

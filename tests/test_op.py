@@ -1,18 +1,24 @@
 """The fused op `fxfuse::allreduce_residual_rmsnorm`: schema, fake kernel, reference numerics on two
-gloo ranks, no aliasing, and the CUDA kernel's FlashInfer hook / NCCL fallback (exercised on CPU)."""
+gloo ranks, no aliasing, the donating overloads, and the CUDA dispatch's NCCL plan (run on CPU
+tensors with gloo and Triton's interpreter)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
 from toy_graphs import fake_process_group
 
-from fxfuse.op import cuda_dispatch
-from fxfuse.op.schema import add_rmsnorm, allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps
+from fxfuse.op.reference import add_rmsnorm
+from fxfuse.op.schema import (
+    allreduce_residual_rmsnorm,
+    allreduce_residual_rmsnorm_donate_x,
+    allreduce_residual_rmsnorm_donate_x_tensor_eps,
+    allreduce_residual_rmsnorm_tensor_eps,
+)
+from fxfuse.runner.launch import run_on_ranks
 
 SCHEMA = (
     "fxfuse::allreduce_residual_rmsnorm(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name)"
@@ -99,9 +105,7 @@ def _op_on_rank(ctx):
 def test_reference_numerics_on_two_gloo_ranks():
     """all_reduce in the input dtype, add rounded to it, fp32 norm, cast back, times weight:
     bit-identical to that arithmetic, identical on both ranks, and close to a float64 evaluation."""
-    from fxfuse.runner.launch import run_on_ranks
-
-    rank0, rank1 = run_on_ranks(_op_on_rank, 2)
+    rank0, rank1 = run_on_ranks(_op_on_rank, 2, timeout_s=300)
     for (dtype, shape, _), case0, case1 in zip(_reference_cases(), rank0, rank1):
         (x0, residual, weight, normed, residual_out), (x1, *_, normed1, residual_out1) = case0, case1
         torch.testing.assert_close((normed1, residual_out1), (normed, residual_out), rtol=0, atol=0)
@@ -116,70 +120,97 @@ def test_reference_numerics_on_two_gloo_ranks():
         torch.testing.assert_close(normed.double(), exact_normed, rtol=tolerance, atol=tolerance)
 
 
-# ---------------------------------------------------------------- CUDA kernel logic, run on CPU tensors
+# ---------------------------------------------------------------- the donating overloads
 
 
-def _cuda_kernel_args(group):
-    return torch.randn(4, 16), torch.randn(4, 16), torch.randn(16), 1e-6, group.group_name
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "no_residual"])
+def test_donating_overloads_match_the_functional_op(group, with_residual):
+    """`donate_x` may overwrite x; its outputs equal the functional op's and never alias x."""
+    x, weight = torch.randn(3, 16), torch.randn(16)
+    residual = torch.randn(3, 16) if with_residual else None
+    expected = allreduce_residual_rmsnorm(x.clone(), residual, weight, 1e-6, group.group_name)
+    torch.library.opcheck(allreduce_residual_rmsnorm_donate_x, (x.clone(), residual, weight, 1e-6, group.group_name))
+    donated = x.clone()
+    got = allreduce_residual_rmsnorm_donate_x(donated, residual, weight, 1e-6, group.group_name)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert all(out.untyped_storage().data_ptr() != donated.untyped_storage().data_ptr() for out in got)
+    eps = torch.tensor(1e-6, dtype=torch.float64)
+    torch.testing.assert_close(
+        allreduce_residual_rmsnorm_donate_x_tensor_eps(x.clone(), residual, weight, eps, group.group_name), expected,
+        rtol=0, atol=0)
 
 
-def test_cuda_kernel_returns_what_flashinfer_hook_returns(group, monkeypatch):
-    sentinel = (torch.zeros(4, 16), torch.ones(4, 16))
-    calls = []
-
-    def try_fused(*args):
-        calls.append(args)
-        return sentinel
-
-    hook = types.SimpleNamespace(try_allreduce_residual_rmsnorm=try_fused)
-    monkeypatch.setattr(cuda_dispatch, "flashinfer_hook", lambda: hook)
-    args = _cuda_kernel_args(group)
-    assert cuda_dispatch.allreduce_residual_rmsnorm_cuda(*args) is sentinel
-    assert calls == [args]
+# ---------------------------------------------------------------- the CUDA dispatch, run on CPU tensors
+# The plans' NCCL path is the group's all-reduce plus the Triton add-RMSNorm kernel; on CPU, gloo and
+# Triton's interpreter run it (float32/float16 only: the interpreter computes bfloat16 wrongly).
 
 
-@pytest.mark.parametrize("hook", [None, types.SimpleNamespace(try_allreduce_residual_rmsnorm=lambda *a: None)],
-                         ids=["no_flashinfer_module", "flashinfer_declines"])
-def test_cuda_kernel_falls_back_to_collective_plus_reference(group, monkeypatch, hook):
-    monkeypatch.setattr(cuda_dispatch, "flashinfer_hook", lambda: hook)
-    x, residual, weight, eps, name = _cuda_kernel_args(group)
-    normed, residual_out = cuda_dispatch.allreduce_residual_rmsnorm_cuda(x, residual, weight, eps, name)
-    # the fake group's all-reduce leaves x as it is
-    torch.testing.assert_close((normed, residual_out), add_rmsnorm(x, residual, weight, eps), rtol=0, atol=0)
+def _dispatch_on_rank(ctx):
+    """On each rank: calls through fxfuse.op.cuda_dispatch with a group config that selects NCCL."""
+    from fxfuse.op import cuda_dispatch
+    from fxfuse.op.flashinfer_version import features
+    from fxfuse.op.group_config import GroupConfig
+    from fxfuse.op.settings import FusionSettings
+    from fxfuse.op.thresholds import ThresholdTable
+    from fxfuse.op.topology import Topology
+
+    name = ctx.group.group_name
+    cuda_dispatch._GROUPS[name] = GroupConfig(name, ctx.world_size, "cpu test", 90, Topology.PCIE, "test",
+                                              features(None), FusionSettings(), ThresholdTable())
+    built = []
+    real_plan_call = cuda_dispatch.plan_call
+    cuda_dispatch.plan_call = lambda *a: built.append(a) or real_plan_call(*a)
+    out = {"cases": []}
+    for dtype in (torch.float32, torch.float16):
+        for shape, with_residual in (((5, 64), True), ((2, 3, 100), False)):
+            g = torch.Generator().manual_seed(10 + ctx.rank)
+            x = torch.randn(shape, generator=g).to(dtype)
+            common = torch.Generator().manual_seed(7)
+            residual = torch.randn(shape, generator=common).to(dtype) if with_residual else None
+            weight = (1 + 0.1 * torch.randn(shape[-1], generator=common)).to(dtype)
+            functional = cuda_dispatch.allreduce_residual_rmsnorm_cuda(x, residual, weight, 1e-5, name)
+            donated_x = x.clone()
+            donated = cuda_dispatch.allreduce_residual_rmsnorm_cuda(donated_x, residual, weight, 1e-5, name, x_donated=True)
+            # a view at a 4-byte offset: not 16-byte aligned, copied before the kernels
+            padded = torch.cat([torch.zeros(1, dtype=dtype), x.flatten()])[1:].view(shape)
+            unaligned = cuda_dispatch.allreduce_residual_rmsnorm_cuda(padded, residual, weight, 1e-5, name)
+            out["cases"].append(dict(dtype=dtype, x=x, residual=residual, weight=weight, functional=functional,
+                                     donated=donated, unaligned=unaligned, x_changed_by_donation=not torch.equal(donated_x, x),
+                                     padded_ptr_mod_16=padded.data_ptr() % 16,
+                                     aliases=[o.untyped_storage().data_ptr() == donated_x.untyped_storage().data_ptr() for o in donated]))
+    out["plans_built"] = len(built)
+    out["stats"] = cuda_dispatch.fusion_stats()
+    cuda_dispatch.forget_plans(name)
+    cuda_dispatch.allreduce_residual_rmsnorm_cuda(x, residual, weight, 1e-5, name)
+    out["plans_after_forget"] = len(built)
+    return out
 
 
-def test_flashinfer_hook_is_optional(monkeypatch):
-    def missing(name):
-        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-
-    monkeypatch.setattr(cuda_dispatch.importlib, "import_module", missing)
-    cuda_dispatch.flashinfer_hook.cache_clear()
-    try:
-        assert cuda_dispatch.flashinfer_hook() is None
-    finally:
-        cuda_dispatch.flashinfer_hook.cache_clear()
-
-
-def test_broken_flashinfer_hook_fails_loudly(monkeypatch):
-    """A hook module that exists but cannot import a dependency is an error, not a silent fallback."""
-
-    def broken(name):
-        raise ModuleNotFoundError("No module named 'some_dependency'", name="some_dependency")
-
-    monkeypatch.setattr(cuda_dispatch.importlib, "import_module", broken)
-    cuda_dispatch.flashinfer_hook.cache_clear()
-    try:
-        with pytest.raises(ModuleNotFoundError, match="some_dependency"):
-            cuda_dispatch.flashinfer_hook()
-    finally:
-        cuda_dispatch.flashinfer_hook.cache_clear()
+@pytest.mark.slow
+def test_cuda_dispatch_nccl_plan_matches_the_reference_and_caches_its_plan(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # before the ranks start: triton reads it when it loads
+    rank0, rank1 = run_on_ranks(_dispatch_on_rank, 2, timeout_s=300)
+    for case0, case1 in zip(rank0["cases"], rank1["cases"]):
+        expected = add_rmsnorm(case0["x"] + case1["x"], case0["residual"], case0["weight"], 1e-5)
+        tolerance = dict(rtol=1e-6, atol=1e-6) if case0["dtype"] == torch.float32 else dict(rtol=1e-3, atol=1e-3)
+        for key in ("functional", "donated", "unaligned"):
+            torch.testing.assert_close(case0[key][1], expected[1], rtol=0, atol=0)  # the add: exact
+            torch.testing.assert_close(case0[key][0], expected[0], **tolerance)  # the norm: same rounding order
+            torch.testing.assert_close(case0[key], case1[key], rtol=0, atol=0)  # same on both ranks
+        assert case0["x_changed_by_donation"] and not any(case0["aliases"])
+        assert case0["padded_ptr_mod_16"] != 0
+    # one plan per (shape, dtype, residual) key, not per call: 4 keys, 12 calls
+    assert rank0["plans_built"] == 4 and rank0["plans_after_forget"] == 5
+    assert rank0["stats"]["fused"] == {}
+    assert sum(rank0["stats"]["fallback"].values()) == 12
+    assert all("PCIe group, but PCIe all-reduce unavailable" in reason for reason in rank0["stats"]["fallback"])
 
 
 def test_cpu_paths_never_import_flashinfer():
     """Importing the op, its CUDA kernel module and the backend loads no FlashInfer code."""
     code = (
-        "import sys, fxfuse.op.schema, fxfuse.op.cuda_dispatch, fxfuse.backend\n"
-        "loaded = [m for m in sys.modules if m.startswith('flashinfer') or m == 'fxfuse.op.fused_path']\n"
+        "import sys, fxfuse.op.schema, fxfuse.op.cuda_dispatch, fxfuse.op.prepare, fxfuse.backend\n"
+        "loaded = [m for m in sys.modules if m.startswith('flashinfer')]\n"
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

@@ -1,9 +1,10 @@
 """`fxfuse bench kernel`: the fused all-reduce + residual + RMSNorm op against unfused, per token count.
 
 Variants (each checked against an fp32 reference, then timed by CUDA-graph replay):
-  fused-oneshot / fused-twoshot   FlashInfer's TensorRT-LLM kernel through fxfuse.op.fused_path
-  nccl+inductor                   NCCL all-reduce, then add + RMSNorm compiled by Inductor
-  nccl+flashinfer-norm            NCCL all-reduce, then FlashInfer's fused_add_rmsnorm
+  fused-oneshot / fused-twoshot   FlashInfer's TensorRT-LLM kernel, as the fused op runs it
+  pcie                            FlashInfer's PCIe IPC all-reduce + the fused add-RMSNorm kernel (>= 0.7.2)
+  fallback                        the fused op's NCCL path: all-reduce + the fused add-RMSNorm kernel
+  nccl+inductor                   unfused: NCCL all-reduce, then add + RMSNorm compiled by Inductor
 Defaults: tokens 1, 2, 4, ..., 2048; hidden 7168 and 4096; bf16. A timing is the median over
 replays of a graph of --graph-iters calls, in microseconds per call, on the slowest rank.
 
@@ -12,13 +13,15 @@ Launch with `torchrun --nproc-per-node N -m fxfuse.bench.kernel`, or `fxfuse ben
 ranks share GPUs over gloo: NCCL cannot do that, so the unfused variants run eagerly with a gloo
 all-reduce and are only checked, and the fused timings are labelled not meaningful (the GPU
 time-slices the ranks). Results go to --out-dir (JSON, markdown, PNG); --write-thresholds also
-writes a thresholds table derived from the medians (refused when timings are not meaningful).
+writes a thresholds table derived from the medians, keyed by the GPU and the group's topology
+(refused when timings are not meaningful).
 Exit status 1 if any check exceeds the error tolerance.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.metadata
 import os
@@ -34,6 +37,7 @@ import torch.distributed as dist
 
 from fxfuse.bench.output import package_versions, publish, relative_l2_error
 from fxfuse.bench.kernel_report import FUSED_MODES, VARIANTS, derive_thresholds, markdown, write_report
+from fxfuse.op.modes import FusionMode
 from fxfuse.runner.launch import run_on_ranks, under_torchrun
 
 DEFAULT_TOKENS = tuple(2**i for i in range(12))  # 1 .. 2048
@@ -121,7 +125,8 @@ def _write_thresholds(report: dict, path: Path) -> None:
 
 def bench_rank(ctx, config: BenchConfig) -> dict | None:
     """One rank's part: measure every (hidden, tokens, variant); rank 0 returns the report."""
-    from fxfuse.op import fused_path
+    from fxfuse.op import prepare as op_prepare
+    from fxfuse.op.cuda_dispatch import group_config
 
     share_gpus = "gloo" in str(dist.get_backend(ctx.group))
     if share_gpus:
@@ -130,13 +135,15 @@ def bench_rank(ctx, config: BenchConfig) -> dict | None:
     bench = _RankBench(ctx, config, dtype, share_gpus)
     rows = []
     for hidden in config.hidden_sizes:
-        fused_ready = fused_path.prepare(ctx.group, hidden, dtype, max(config.tokens))
+        op_prepare.prepare(ctx.group, hidden, dtype, max(config.tokens))
+        bench.plans = {}
         for tokens in config.tokens:
-            rows += bench.measure_point(hidden, tokens, fused_ready)
-    fused_path.destroy_workspaces(ctx.group)
+            rows += bench.measure_point(hidden, tokens)
+    op_prepare.destroy_workspaces(ctx.group, graphs_released=True)  # every timing graph was deleted
     if ctx.rank != 0:
         return None
-    return _report(config, ctx.world_size, share_gpus, rows, fused_path.fusion_stats())
+    topology = group_config(ctx.group).topology.value
+    return _report(config, ctx.world_size, share_gpus, rows, op_prepare.fusion_stats(), topology)
 
 
 @dataclass(frozen=True)
@@ -154,8 +161,9 @@ class _RankBench:
         self.ctx, self.config, self.dtype, self.share_gpus = ctx, config, dtype, share_gpus
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.compiled_add_rmsnorm: tuple[int, Callable] | None = None
+        self.plans: dict = {}  # variant -> the fused op's plan for it at the current hidden size (None: cannot run)
 
-    def measure_point(self, hidden: int, tokens: int, fused_ready: bool) -> list[dict]:
+    def measure_point(self, hidden: int, tokens: int) -> list[dict]:
         """Check and time every variant at one (hidden, tokens); rows identical on all ranks."""
         inputs = self._inputs(hidden, tokens)
         reference = _fp32_reference(*inputs)
@@ -163,7 +171,7 @@ class _RankBench:
         for variant in self.config.variants:
             row = {"hidden": hidden, "tokens": tokens, "variant": variant, "status": "ok",
                    "median_us": None, "rel_err_normed": 0.0, "rel_err_residual": 0.0, "note": ""}
-            runs = self._variant(variant, inputs, fused_ready)
+            runs = self._variant(variant, inputs)
             if isinstance(runs, str):
                 row.update(status="n/a", note=runs)
                 rows.append(row)
@@ -176,7 +184,7 @@ class _RankBench:
                        median_us=worst[2] if worst[2] >= 0 else None,
                        status="ok" if max(worst[:2]) <= TOLERANCE else "failed")
             if runs.timed is None:
-                row["note"] = "checked only: NCCL cannot run ranks that share a GPU"
+                row["note"] = "checked only: NCCL cannot run ranks that share a GPU, nor gloo a CUDA graph"
             rows.append(row)
         return rows
 
@@ -191,12 +199,12 @@ class _RankBench:
         weight = (1 + 0.1 * randn(hidden, salt="weight").float()).to(self.dtype)
         return xs[self.ctx.rank].clone(), xs, residual, weight
 
-    def _variant(self, variant: str, inputs, fused_ready: bool) -> "_Runs | str":
+    def _variant(self, variant: str, inputs) -> "_Runs | str":
         """How to check and time one variant on static inputs, or why it cannot run here."""
         x, _, residual, weight = inputs
         if variant in FUSED_MODES:
-            return self._fused_runs(variant, x, residual, weight, fused_ready)
-        add_norm = self._inductor_add_rmsnorm(x.shape[1]) if variant == "nccl+inductor" else _flashinfer_add_rmsnorm
+            return self._fused_runs(variant, x, residual, weight)
+        add_norm = self._inductor_add_rmsnorm(x.shape[1])
         group = self.ctx.group
         if self.share_gpus:
             return _Runs(check=lambda: add_norm(_gloo_all_reduce(x.clone(), group), residual.clone(), weight))
@@ -213,25 +221,31 @@ class _RankBench:
             return add_norm(work_x, work_residual, weight)
         return _Runs(check, timed)
 
-    def _fused_runs(self, variant, x, residual, weight, fused_ready) -> "_Runs | str":
-        from fxfuse.op.fused_path import try_allreduce_residual_rmsnorm
-        from fxfuse.op.policy import FusionProblem, FusionSettings, feasible_modes
+    def _fused_runs(self, variant, x, residual, weight) -> "_Runs | str":
+        from fxfuse.op.policy import FusionProblem, feasible_trtllm_modes
+        from fxfuse.op.prepare import forced_plan
 
-        if not fused_ready:
-            return "fused workspace unavailable (see the log)"
         mode = FUSED_MODES[variant]
         tokens, hidden = x.shape
-        problem = FusionProblem(0, self.ctx.world_size, x.dtype, hidden, tokens, tokens, x.dtype, x.dtype)
-        if mode not in feasible_modes(problem):
-            return f"{mode.value} cannot run {tokens} tokens on {self.ctx.world_size} ranks"
-        settings = FusionSettings(force_mode=mode, max_tokens=max(self.config.tokens))
-
-        def call():
-            out = try_allreduce_residual_rmsnorm(x, residual, weight, EPS, self.ctx.group.group_name, settings)
-            if out is None:
-                raise RuntimeError(f"{variant} fell back at {tokens} tokens, hidden {hidden}")
-            return out
-        return _Runs(call, call)
+        if mode.trtllm:
+            problem = FusionProblem(0, self.ctx.world_size, x.dtype, hidden, tokens, x.dtype, x.dtype, None, None,
+                                    trtllm_max_tokens=tokens)
+            if mode not in feasible_trtllm_modes(problem):
+                return f"{mode.value} cannot run {tokens} tokens on {self.ctx.world_size} ranks"
+        if mode.trtllm or mode is FusionMode.PCIE:
+            kind = "trtllm" if mode.trtllm else "pcie"
+            if kind not in self.plans:  # one workspace per kind and hidden size, made collectively
+                self.plans[kind] = forced_plan(self.ctx.group, mode, hidden, x.dtype, max(self.config.tokens))
+            if self.plans[kind] is None:
+                return f"{variant} workspace unavailable (see the log)"
+            plan = self.plans[kind]
+            decision = dataclasses.replace(plan.decision, mode=mode)
+            plan = dataclasses.replace(plan, decision=decision)
+        else:
+            plan = forced_plan(self.ctx.group, mode, hidden, x.dtype, max(self.config.tokens))
+            if self.share_gpus:  # gloo: checked eagerly, a CUDA graph cannot capture it
+                return _Runs(check=lambda: plan(x, residual, weight, EPS, False))
+        return _Runs(lambda: plan(x, residual, weight, EPS, False), lambda: plan(x, residual, weight, EPS, False))
 
     def _inductor_add_rmsnorm(self, hidden: int) -> Callable:
         """add_rmsnorm compiled by Inductor, recompiled per hidden size (token count dynamic)."""
@@ -279,14 +293,6 @@ def add_rmsnorm(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, e
     return weight * normed.to(y.dtype), residual_out
 
 
-def _flashinfer_add_rmsnorm(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor):
-    """FlashInfer's fused_add_rmsnorm, in place: residual <- y + residual, y <- rmsnorm(residual) * weight."""
-    from flashinfer.norm import fused_add_rmsnorm
-
-    fused_add_rmsnorm(y, residual, weight, EPS)
-    return y, residual
-
-
 def _gloo_all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     host = x.cpu()
     dist.all_reduce(host, group=group)
@@ -312,7 +318,7 @@ def _versions() -> dict[str, str]:
     return versions
 
 
-def _report(config: BenchConfig, world_size: int, share_gpus: bool, rows: list[dict], stats: dict) -> dict:
+def _report(config: BenchConfig, world_size: int, share_gpus: bool, rows: list[dict], stats: dict, topology: str) -> dict:
     now = datetime.datetime.now(datetime.timezone.utc)
     checked = [max(r["rel_err_normed"], r["rel_err_residual"]) for r in rows if r["status"] != "n/a"]
     return {
@@ -322,6 +328,7 @@ def _report(config: BenchConfig, world_size: int, share_gpus: bool, rows: list[d
         "command": "",
         "gpu": torch.cuda.get_device_name(),
         "world_size": world_size,
+        "topology": topology,
         "ranks_share_gpu": share_gpus,
         "timings_meaningful": not share_gpus,
         "timing_note": (f"{world_size} ranks time-slice {torch.cuda.device_count()} GPU(s); "

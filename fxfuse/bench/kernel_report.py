@@ -19,10 +19,13 @@ from fxfuse.op.thresholds import ThresholdEntry, ThresholdTable, TokenRange
 VARIANTS = {
     "fused-oneshot": "fused one-shot",
     "fused-twoshot": "fused two-shot",
-    "nccl+inductor": "NCCL + Inductor add-RMSNorm",
-    "nccl+flashinfer-norm": "NCCL + FlashInfer fused_add_rmsnorm",
+    "pcie": "PCIe all-reduce + fused norm",
+    "fallback": "fxfuse fallback (NCCL + fused norm)",
+    "nccl+inductor": "unfused: NCCL + Inductor add-RMSNorm",
 }
-FUSED_MODES = {"fused-oneshot": FusionMode.ONESHOT, "fused-twoshot": FusionMode.TWOSHOT}
+#: Variants that run an implementation of the fused op, and which one.
+FUSED_MODES = {"fused-oneshot": FusionMode.ONESHOT, "fused-twoshot": FusionMode.TWOSHOT, "pcie": FusionMode.PCIE,
+               "fallback": FusionMode.FALLBACK}
 
 
 def file_stem(gpu: str, world_size: int, stamp: str) -> str:
@@ -69,8 +72,8 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def derive_thresholds(report: dict[str, Any]) -> ThresholdTable:
-    """Per hidden size, the fastest of one-shot / two-shot / best unfused at each measured token
-    count, merged into ranges (a count between two measured ones takes the larger one's mode;
+    """Per hidden size, the fastest of one-shot / two-shot / PCIe / unfused (fallback or Inductor's) at
+    each measured token count, merged into ranges (a count between two measured ones takes the larger one's mode;
     beyond the largest measured count: fallback). Raises ValueError if timings are not meaningful."""
     if not report["timings_meaningful"]:
         raise ValueError(f"refusing to derive thresholds from timings that are not meaningful: {report['timing_note']}")
@@ -87,7 +90,8 @@ def derive_thresholds(report: dict[str, Any]) -> ThresholdTable:
                 ranges.append(TokenRange(tokens, best))
         if ranges:
             source = f"fxfuse bench kernel {report['date']}"
-            entry = ThresholdEntry(report["gpu"], report["world_size"], hidden, report["dtype"], tuple(ranges), source)
+            entry = ThresholdEntry(report["gpu"], report["world_size"], hidden, report["dtype"], tuple(ranges), source,
+                                   topology=report.get("topology", "any"))
             entries[entry.key()] = entry
     return ThresholdTable(entries)
 

@@ -1,49 +1,246 @@
-"""CUDA kernel of `fxfuse::allreduce_residual_rmsnorm`: FlashInfer when it takes the call, else NCCL.
+"""The CUDA kernel of `fxfuse::allreduce_residual_rmsnorm`: pick an implementation once per shape, then run it.
 
-The hook: if a module `fxfuse.op.fused_path` exists (written in the FlashInfer issue), its
-`try_allreduce_residual_rmsnorm(x, residual, weight, eps, group_name)` is asked first. It returns
-`(normed, residual_out)` with the semantics documented in `fxfuse.op.schema`, or None to decline (GPU or
-shape it does not handle, policy says unfused); that decision must be the same on every rank.
-Otherwise the fallback runs: an NCCL all-reduce over the named group on a copy of `x`, then the
-add + RMSNorm reference arithmetic (`fxfuse.op.schema.add_rmsnorm`) as eager CUDA kernels.
+The first call for a (group, tokens, hidden, dtypes) builds a `CallPlan` from the decision table
+(`fxfuse.op.policy.decide`) over values every rank agrees on (`fxfuse.op.group_config`); later
+calls with that key only look the plan up and run it, so the host cost per call is a dict lookup
+plus the kernels' own launches. The plans:
+- `TrtllmPlan`: FlashInfer's TensorRT-LLM kernel, one-shot or two-shot (one launch);
+- `PciePlan`: FlashInfer's PCIe IPC all-reduce, then the fused add-RMSNorm kernel;
+- `NcclPlan`: the group's all-reduce (`_c10d_functional.all_reduce_`, as Inductor issues it), then the
+  fused add-RMSNorm kernel. When the caller donated `x` (the op's `donate_x` overloads, which the
+  backend emits where Inductor can prove `x` is dead), the all-reduce runs in x's memory; otherwise
+  on a copy.
+Plans are dropped when a group's workspaces change (a new `fxfuse.prepare`). Inputs that are not
+16-byte aligned or contiguous are copied first: a copy is the same decision on every rank, where
+falling back on one rank only would hang the others.
 
 Importing this module never imports FlashInfer or touches CUDA, so it is safe on CPU-only machines.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-from types import ModuleType
+import collections
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from fxfuse.op.reference import add_rmsnorm, resolve_group
+from fxfuse.op.add_rmsnorm_kernel import add_rmsnorm_into
+from fxfuse.op.flashinfer_version import installed_features
+from fxfuse.op.group_config import GroupConfig, agree_group_config, local_report
+from fxfuse.op.modes import FusionMode
+from fxfuse.op.pcie_kernels import PcieAllReduceKernels, pcie_workspace_bytes
+from fxfuse.op.policy import FusionDecision, FusionProblem, decide, trtllm_token_cap
+from fxfuse.op.reference import resolve_group
+from fxfuse.op.settings import current_settings
+from fxfuse.op.thresholds import current_thresholds
+from fxfuse.op.trtllm_kernels import TrtllmFusionKernels
+from fxfuse.op.workspace import FusionWorkspace, WorkspaceRegistry, workspace_bytes
 
-FLASHINFER_HOOK_MODULE = "fxfuse.op.fused_path"
+ALL_REDUCE_ = torch.ops._c10d_functional.all_reduce_.default
+WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+KERNEL_ALIGNMENT = 16
+
+#: This process's TensorRT-LLM and PCIe workspaces (see fxfuse/op/workspace.py for their lifecycle).
+TRTLLM = WorkspaceRegistry("TensorRT-LLM", TrtllmFusionKernels, workspace_bytes)
+PCIE = WorkspaceRegistry("PCIe", PcieAllReduceKernels, pcie_workspace_bytes)
+
+#: Calls by implementation: {(group, mode, hidden, dtype): n} for fused ones and {reason: n} for the
+#: rest. Counted when Python issues the call (eagerly, or once while a CUDA graph is captured; graph
+#: replays are not counted). Read with `fusion_stats()`.
+_FUSED_CALLS: collections.Counter = collections.Counter()
+_FALLBACK_CALLS: collections.Counter = collections.Counter()
+
+PlanKey = tuple[str, int, int, torch.dtype, torch.dtype, "torch.dtype | None"]
+_PLANS: dict[PlanKey, "CallPlan"] = {}
+_GROUPS: dict[str, GroupConfig] = {}
 
 
-@functools.cache
-def flashinfer_hook() -> ModuleType | None:
-    """The optional `fxfuse.op.fused_path` module, or None when it is not installed."""
-    try:
-        return importlib.import_module(FLASHINFER_HOOK_MODULE)
-    except ModuleNotFoundError as err:
-        if err.name != FLASHINFER_HOOK_MODULE:
-            raise
-        return None
+def group_config(group: dist.ProcessGroup) -> GroupConfig:
+    """The agreed config of `group`, exchanged on first use (collective, outside capture)."""
+    config = _GROUPS.get(group.group_name)
+    if config is None:
+        settings, thresholds, features = current_settings(), current_thresholds(), installed_features()
+        device = torch.device("cuda", torch.cuda.current_device())
+        local = local_report(settings, thresholds, features, device, dist.get_world_size(group))
+        config = _GROUPS[group.group_name] = agree_group_config(group, local, settings, thresholds, features)
+    return config
+
+
+def fusion_stats() -> dict[str, dict]:
+    """A snapshot of the call counters: {"fused": {(group, mode, hidden, dtype): n}, "fallback": {reason: n}}."""
+    return {"fused": dict(_FUSED_CALLS), "fallback": dict(_FALLBACK_CALLS)}
+
+
+def reset_fusion_stats() -> None:
+    """Zero the call counters."""
+    _FUSED_CALLS.clear()
+    _FALLBACK_CALLS.clear()
+
+
+def forget_plans(group_name: str | None = None) -> None:
+    """Drop the cached plans of `group_name` (all if None): the next call of each shape decides anew."""
+    for key in [k for k in _PLANS if group_name is None or k[0] == group_name]:
+        del _PLANS[key]
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` if it is contiguous and 16-byte aligned, else a fresh contiguous copy (which is)."""
+    if t.is_contiguous() and t.data_ptr() % KERNEL_ALIGNMENT == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+@dataclass
+class CallPlan:
+    """How every call of one key runs; `decision` says which implementation and why."""
+
+    group_name: str
+    decision: FusionDecision
+
+    def count(self, hidden: int, dtype: torch.dtype) -> None:
+        """Count one call of this plan (see fusion_stats)."""
+        if self.decision.fused:
+            _FUSED_CALLS[(self.group_name, self.decision.mode.value, hidden, str(dtype))] += 1
+        else:
+            _FALLBACK_CALLS[self.decision.reason] += 1
+
+
+@dataclass
+class NcclPlan(CallPlan):
+    """The group's all-reduce (in x's memory when donated), then the fused add-RMSNorm kernel."""
+
+    def __call__(self, x, residual, weight, eps, x_donated):
+        hidden = x.shape[-1]
+        reduced = x.reshape(-1, hidden)
+        if not (x_donated and reduced.is_contiguous() and reduced.data_ptr() % KERNEL_ALIGNMENT == 0):
+            reduced = reduced.clone(memory_format=torch.contiguous_format)
+        aliases_x = reduced.data_ptr() == x.data_ptr()
+        ALL_REDUCE_(reduced, "sum", self.group_name)
+        WAIT_TENSOR(reduced)
+        residual_out = torch.empty_like(reduced) if aliases_x else reduced
+        normed = torch.empty_like(reduced)
+        residual2d = None if residual is None else aligned(residual.reshape(-1, hidden))
+        add_rmsnorm_into(reduced, residual2d, aligned(weight), eps, residual_out, normed)
+        self.count(hidden, x.dtype)
+        return normed.view(x.shape), residual_out.view(x.shape)
+
+
+@dataclass
+class TrtllmPlan(CallPlan):
+    """FlashInfer's TensorRT-LLM kernel: all-reduce, residual add and RMSNorm in one launch."""
+
+    workspace: FusionWorkspace | None = None
+
+    def __call__(self, x, residual, weight, eps, x_donated):
+        hidden = x.shape[-1]
+        x2d = aligned(x.reshape(-1, hidden))
+        handle = self.workspace.handle
+        residual2d = handle.zero_residual_for(x2d.shape[0]) if residual is None else aligned(residual.reshape(-1, hidden))
+        normed, residual_out = torch.empty_like(x2d), torch.empty_like(x2d)
+        TRTLLM.note_use(self.workspace)
+        TRTLLM.kernels.allreduce_residual_rmsnorm(
+            handle, x2d, residual2d, aligned(weight), eps, normed, residual_out,
+            oneshot=self.decision.mode is FusionMode.ONESHOT,
+        )
+        self.count(hidden, x.dtype)
+        return normed.view(x.shape), residual_out.view(x.shape)
+
+
+@dataclass
+class PciePlan(CallPlan):
+    """FlashInfer's PCIe IPC all-reduce into a fresh buffer, then the fused add-RMSNorm kernel in it."""
+
+    workspace: FusionWorkspace | None = None
+
+    def __call__(self, x, residual, weight, eps, x_donated):
+        hidden = x.shape[-1]
+        x2d = aligned(x.reshape(-1, hidden))
+        reduced = torch.empty_like(x2d)
+        PCIE.note_use(self.workspace)
+        PCIE.kernels.all_reduce(self.workspace.handle, x2d, reduced)
+        normed = torch.empty_like(x2d)
+        residual2d = None if residual is None else aligned(residual.reshape(-1, hidden))
+        add_rmsnorm_into(reduced, residual2d, aligned(weight), eps, reduced, normed)
+        self.count(hidden, x.dtype)
+        return normed.view(x.shape), reduced.view(x.shape)
+
+
+def trtllm_capacity(config: GroupConfig, hidden: int, dtype: torch.dtype, wanted_tokens: int) -> int:
+    """Tokens the group's TensorRT-LLM workspace holds (existing), or would hold if created now; 0 if failed."""
+    existing = TRTLLM.lookup(config.group_name, hidden, dtype)
+    if existing is not None:
+        return existing.max_tokens
+    if TRTLLM.failure(config.group_name, hidden, dtype) is not None:
+        return 0
+    return min(wanted_tokens, trtllm_token_cap(config.world_size, hidden))
+
+
+def pcie_capacity(config: GroupConfig, hidden: int, dtype: torch.dtype, wanted_tokens: int) -> int:
+    """Tokens the group's PCIe workspace holds (existing), or would hold if created now; 0 if failed."""
+    existing = PCIE.lookup(config.group_name, hidden, dtype)
+    if existing is not None:
+        return existing.max_tokens
+    return 0 if PCIE.failure(config.group_name, hidden, dtype) is not None else wanted_tokens
+
+
+def problem_for(config: GroupConfig, tokens: int, hidden: int, dtype, weight_dtype, residual_dtype, wanted_tokens: int) -> FusionProblem:
+    """The decision table's input for one call shape on this group."""
+    return FusionProblem(
+        sm=config.sm, world_size=config.world_size, dtype=dtype, hidden_size=hidden, num_tokens=tokens,
+        weight_dtype=weight_dtype, residual_dtype=residual_dtype, topology=config.topology,
+        flashinfer=config.flashinfer,
+        trtllm_max_tokens=trtllm_capacity(config, hidden, dtype, wanted_tokens),
+        pcie_max_tokens=pcie_capacity(config, hidden, dtype, wanted_tokens),
+    )
+
+
+def ensure_workspace(config: GroupConfig, group: dist.ProcessGroup, mode: FusionMode, hidden: int, dtype, max_tokens: int):
+    """The workspace `mode` needs for (hidden, dtype) with `max_tokens`, created collectively if absent."""
+    rank, world_size = dist.get_rank(group), config.world_size
+    if mode.trtllm:
+        tokens = min(max_tokens, trtllm_token_cap(world_size, hidden))
+        return TRTLLM.ensure(group, hidden, dtype, tokens, lambda k: k.create_workspace(group, rank, world_size, tokens, hidden, dtype))
+    settings = config.settings
+    return PCIE.ensure(
+        group, hidden, dtype, max_tokens,
+        lambda k: k.create_workspace(group, max_tokens, hidden, dtype, settings.pcie_profile, settings.pcie_tune_cache),
+    )
+
+
+def plan_call(group_name: str, tokens: int, hidden: int, dtype, weight_dtype, residual_dtype) -> CallPlan:
+    """Decide (and create the workspace for, outside capture) one call shape on this group."""
+    group = resolve_group(group_name)
+    config = group_config(group)
+    wanted = config.settings.max_tokens
+    decision = decide(problem_for(config, tokens, hidden, dtype, weight_dtype, residual_dtype, wanted),
+                      config.settings, config.thresholds.lookup(config.gpu, config.world_size, hidden, dtype, config.topology.value))
+    if decision.fused:
+        existing = (TRTLLM if decision.mode.trtllm else PCIE).lookup(group_name, hidden, dtype)
+        workspace = existing or ensure_workspace(config, group, decision.mode, hidden, dtype, wanted)
+        if workspace is None:  # creation failed on some rank, on all ranks alike: decide again without it
+            return plan_call(group_name, tokens, hidden, dtype, weight_dtype, residual_dtype)
+        if decision.mode is FusionMode.PCIE and not PCIE.kernels.supports(workspace.handle, tokens):
+            return NcclPlan(group_name, FusionDecision(FusionMode.FALLBACK, f"the PCIe kernels do not run {tokens} tokens"))
+        return (PciePlan if decision.mode is FusionMode.PCIE else TrtllmPlan)(group_name, decision, workspace)
+    return NcclPlan(group_name, decision)
 
 
 def allreduce_residual_rmsnorm_cuda(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, group_name: str
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, group_name: str, x_donated: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused all-reduce + residual add + RMSNorm on CUDA tensors: FlashInfer if it accepts, else NCCL."""
-    hook = flashinfer_hook()
-    if hook is not None:
-        fused = hook.try_allreduce_residual_rmsnorm(x, residual, weight, eps, group_name)
-        if fused is not None:
-            return fused
-    reduced = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=resolve_group(group_name))
-    return add_rmsnorm(reduced, residual, weight, eps)
+    """The op on CUDA tensors: look up (or build) the plan for this shape and run it.
+
+    `x_donated`: the caller allows x's memory to be overwritten (the `donate_x` overloads).
+    """
+    hidden = x.shape[-1]
+    key = (group_name, x.numel() // hidden if hidden else 0, hidden, x.dtype, weight.dtype, None if residual is None else residual.dtype)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if weight.shape != x.shape[-1:] or (residual is not None and residual.shape != x.shape):
+            raise ValueError(
+                f"allreduce_residual_rmsnorm: x {list(x.shape)}, residual {None if residual is None else list(residual.shape)} "
+                f"and weight {list(weight.shape)} must be [..., hidden], the same shape, and [hidden]"
+            )
+        plan = _PLANS[key] = plan_call(group_name, *key[1:])
+    return plan(x, residual, weight, eps, x_donated)

@@ -1,4 +1,5 @@
-"""How one fused-op call runs: the modes the decision table chooses among and the thresholds table records.
+"""How one fused-op call runs: the implementations the decision table chooses among, which the
+thresholds table also records.
 
 Its own module so that the pure decision (`fxfuse.op.policy`) and the thresholds table
 (`fxfuse.op.thresholds`) can both name the modes without importing each other.
@@ -10,8 +11,14 @@ import enum
 
 
 class FusionMode(str, enum.Enum):
-    """How one all-reduce + residual add + RMSNorm call runs."""
+    """Which implementation one all-reduce + residual add + RMSNorm call runs."""
 
-    ONESHOT = "oneshot"  # every rank reads all peers' data (Lamport buffers): lowest latency, small inputs
-    TWOSHOT = "twoshot"  # reduce-scatter then all-gather inside one kernel: larger inputs
-    FALLBACK = "fallback"  # not fused: NCCL all-reduce, then add + RMSNorm
+    ONESHOT = "oneshot"  # FlashInfer TensorRT-LLM kernel, one-shot (Lamport buffers): lowest latency, small inputs
+    TWOSHOT = "twoshot"  # the same kernel, reduce-scatter then all-gather inside one launch: larger inputs
+    PCIE = "pcie"  # FlashInfer's PCIe IPC all-reduce, then the fused add + RMSNorm kernel
+    FALLBACK = "fallback"  # NCCL all-reduce, then the fused add + RMSNorm kernel
+
+    @property
+    def trtllm(self) -> bool:
+        """True for the TensorRT-LLM kernel's two algorithms."""
+        return self in (FusionMode.ONESHOT, FusionMode.TWOSHOT)

@@ -1,31 +1,47 @@
-"""Pure decision: fused one-shot, fused two-shot, or fall back to NCCL all-reduce + add + RMSNorm.
+"""Pure decision table: which implementation one fused-op call runs on CUDA.
 
-`decide(problem, settings, entry)` looks only at values that are equal on every rank of a
-tensor-parallel group: GPU arch, world size, dtypes, hidden size, token count, workspace size,
-the thresholds-table entry and the settings. It never looks at per-rank state (rank, device
-index, whether a library imported), so every rank takes the same branch and no rank waits in a
-collective that the others skipped. It has no side effects and needs neither CUDA nor FlashInfer.
+`decide(problem, settings, entry)` returns a `FusionDecision` (a `FusionMode` and a sentence saying
+why) from values that are equal on every rank of a tensor-parallel group: GPU arch, the agreed
+topology, the agreed FlashInfer version's features, world size, dtypes, hidden size, token count,
+the capacities of the group's workspaces, the thresholds-table entry and the settings. It never
+looks at per-rank state (rank, device index, whether a library imported here), so every rank takes
+the same branch and no rank waits in a collective that the others skipped. It has no side effects
+and needs neither CUDA nor FlashInfer.
 
-The limits below are those of FlashInfer's TensorRT-LLM fusion kernel
-(`include/flashinfer/comm/trtllm_allreduce_fusion.cuh`, `flashinfer/comm/trtllm_ar.py`).
+The table, in order:
+1. settings off, or no tokens: NCCL all-reduce + the fused add-RMSNorm kernel (`FALLBACK`);
+2. a forced implementation (`FXFUSE_FUSION=oneshot|twoshot|pcie`) wherever it can run at all;
+3. a thresholds-table entry for this GPU / topology / world size / hidden / dtype: its mode for the
+   token count (measured, so it may pick the TensorRT-LLM kernel off NVSwitch, e.g. SM 12.x PCIe);
+4. otherwise: the TensorRT-LLM kernel (one-shot or two-shot by FlashInfer's heuristic) when every
+   pair of GPUs is linked through NVSwitch and FlashInfer builds it for the arch; FlashInfer's PCIe
+   all-reduce + the fused norm when the group is PCIe-only and FlashInfer >= 0.7.2; else FALLBACK.
+A chosen implementation also needs room in its workspace; otherwise the other TensorRT-LLM
+algorithm, else FALLBACK.
+
+The limits are those of FlashInfer's kernels (`include/flashinfer/comm/trtllm_allreduce_fusion.cuh`,
+`flashinfer/comm/trtllm_ar.py`, `flashinfer/comm/pcie_ipc_ar.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 
+from fxfuse.op.flashinfer_version import FlashInferFeatures
 from fxfuse.op.modes import FusionMode
+from fxfuse.op.settings import FusionSettings
 from fxfuse.op.thresholds import ThresholdEntry
+from fxfuse.op.topology import Topology
 
-
-#: World sizes the fusion kernel is instantiated for.
-SUPPORTED_WORLD_SIZES = (2, 4, 8, 16)
-#: Activation dtypes fxfuse fuses (the kernel's fp32 variant needs another workspace layout).
+#: World sizes the TensorRT-LLM fusion kernel is instantiated for.
+TRTLLM_WORLD_SIZES = (2, 4, 8, 16)
+#: World sizes FlashInfer's PCIe IPC all-reduce supports.
+PCIE_WORLD_SIZES = (2, 4, 8)
+#: Activation dtypes the fused implementations take (the kernels' fp32 variants need other layouts).
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-#: The kernel moves 16 bytes per access: the hidden size must be a multiple of 16 bytes.
+#: The kernels move 16 bytes per access: a token's row must be a multiple of 16 bytes.
 KERNEL_ACCESS_BYTES = 16
 #: One token is handled by at most a cluster of 8 blocks of 1024 threads, one access each.
 MAX_ACCESSES_PER_TOKEN = 8 * 1024
@@ -37,70 +53,23 @@ MIN_THREADS_PER_BLOCK = 128
 WARP_SIZE = 32
 #: Largest one-shot (Lamport) exchange FlashInfer accepts: INT32_MAX rounded down to 2 MiB.
 MAX_ONESHOT_COMM_BYTES = 2147483647 & ~((1 << 21) - 1)
+#: The kernel addresses a Lamport buffer at `clear_offset * comm_size` in 32-bit arithmetic, with
+#: clear_offset up to 2: comm_size (world_size * tokens * hidden * 2 bytes) must stay below 1 GiB.
+MAX_LAMPORT_COMM_BYTES = (2**31 - 1) // 2
 #: FlashInfer's own one-shot heuristic (`_use_oneshot_heuristics`, measured on B200): one-shot while
 #: tokens * hidden * 2 * world_size * itemsize stays within this many MiB.
 FLASHINFER_ONESHOT_MAX_MIB = {2: 512, 4: 64, 8: 42}
 #: The kernel's own one-shot token limit, used for world sizes that heuristic does not list.
 KERNEL_ONESHOT_MAX_TOKENS = 128
-#: Workspace size (tokens) when a workspace is created implicitly on first call.
-DEFAULT_MAX_TOKENS = 512
-
-
-@dataclass(frozen=True)
-class FusionSettings:
-    """User choices that steer the decision; they must be identical on all ranks.
-
-    `enabled` False always falls back. `force_mode` (one-shot or two-shot) overrides the
-    thresholds table and FlashInfer's heuristic where that algorithm can run. `max_tokens` sizes
-    a workspace created implicitly on first call. `supported_sm_majors` lists the GPU
-    architecture generations (compute capability majors) FlashInfer builds this kernel for.
-    """
-
-    enabled: bool = True
-    force_mode: FusionMode | None = None
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    supported_sm_majors: tuple[int, ...] = (9, 10)
-
-    def __post_init__(self) -> None:
-        if self.force_mode is FusionMode.FALLBACK:
-            raise ValueError("force_mode must be oneshot or twoshot; use enabled=False to always fall back")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
-
-
-#: Environment variables read by `settings_from_env`.
-ENV_FUSION = "FXFUSE_FUSION"  # auto (default) | oneshot | twoshot | off
-ENV_MAX_TOKENS = "FXFUSE_MAX_TOKENS"  # workspace size for implicit creation
-
-
-def settings_from_env(environ: Mapping[str, str]) -> FusionSettings:
-    """Settings from `FXFUSE_FUSION` (auto|oneshot|twoshot|off) and `FXFUSE_MAX_TOKENS`.
-
-    Raises ValueError naming the variable when a value is not understood.
-    """
-    fusion = environ.get(ENV_FUSION, "auto").strip().lower()
-    if fusion not in ("auto", "oneshot", "twoshot", "off"):
-        raise ValueError(f"{ENV_FUSION}={fusion!r}: expected auto, oneshot, twoshot or off")
-    raw_tokens = environ.get(ENV_MAX_TOKENS, str(DEFAULT_MAX_TOKENS))
-    try:
-        max_tokens = int(raw_tokens)
-    except ValueError:
-        raise ValueError(f"{ENV_MAX_TOKENS}={raw_tokens!r}: expected a positive integer") from None
-    if max_tokens < 1:
-        raise ValueError(f"{ENV_MAX_TOKENS}={raw_tokens!r}: expected a positive integer")
-    return FusionSettings(
-        enabled=fusion != "off",
-        force_mode=FusionMode(fusion) if fusion in ("oneshot", "twoshot") else None,
-        max_tokens=max_tokens,
-    )
 
 
 @dataclass(frozen=True)
 class FusionProblem:
-    """One call's shape, as every rank of the group sees it.
+    """One call's shape and the group it runs on, as every rank of the group sees it.
 
-    `sm` is the compute capability as an integer (90 for 9.0). `residual_dtype` is None when the
-    call has no residual. `workspace_max_tokens` is the token capacity of the group's workspace.
+    `sm` is the compute capability as an integer (90 for 9.0). `residual_dtype` is None when the call
+    has no residual. `trtllm_max_tokens` / `pcie_max_tokens` are the token capacities of the group's
+    TensorRT-LLM and PCIe workspaces for this hidden size and dtype (0: none, or creation failed).
     """
 
     sm: int
@@ -108,9 +77,12 @@ class FusionProblem:
     dtype: torch.dtype
     hidden_size: int
     num_tokens: int
-    workspace_max_tokens: int
     weight_dtype: torch.dtype
     residual_dtype: torch.dtype | None
+    topology: Topology
+    flashinfer: FlashInferFeatures
+    trtllm_max_tokens: int = 0
+    pcie_max_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -122,36 +94,56 @@ class FusionDecision:
 
     @property
     def fused(self) -> bool:
-        """True when the fused kernel runs (one-shot or two-shot)."""
+        """True when a FlashInfer all-reduce runs (TensorRT-LLM one-shot / two-shot, or PCIe)."""
         return self.mode is not FusionMode.FALLBACK
 
 
-def unsupported_reason(problem: FusionProblem, settings: FusionSettings) -> str | None:
-    """Why this configuration can never be fused, ignoring the token count; None if it can."""
-    if not settings.enabled:
-        return "fusion disabled by settings"
-    if problem.world_size not in SUPPORTED_WORLD_SIZES:
-        return f"world size {problem.world_size} not supported (kernel runs on {SUPPORTED_WORLD_SIZES})"
+def _common_unsupported(problem: FusionProblem) -> str | None:
+    """Limits every fused implementation shares: dtypes and 16-byte rows."""
     if problem.dtype not in SUPPORTED_DTYPES:
         return f"dtype {problem.dtype} not supported (bfloat16 or float16)"
     if problem.weight_dtype != problem.dtype:
         return f"norm weight dtype {problem.weight_dtype} differs from activations ({problem.dtype})"
     if problem.residual_dtype is not None and problem.residual_dtype != problem.dtype:
         return f"residual dtype {problem.residual_dtype} differs from activations ({problem.dtype})"
-    if problem.sm // 10 not in settings.supported_sm_majors:
-        return f"GPU arch sm_{problem.sm} not supported (needs compute capability major in {settings.supported_sm_majors})"
     elems_per_access = KERNEL_ACCESS_BYTES // problem.dtype.itemsize
     if problem.hidden_size % elems_per_access:
         return f"hidden size {problem.hidden_size} is not a multiple of {elems_per_access} elements (16 bytes)"
-    if problem.hidden_size // elems_per_access > MAX_ACCESSES_PER_TOKEN:
+    return None
+
+
+def trtllm_unsupported(problem: FusionProblem) -> str | None:
+    """Why FlashInfer's TensorRT-LLM kernel can never run this configuration (any token count); None if it can."""
+    if not problem.flashinfer.trtllm:
+        return f"TensorRT-LLM kernel unavailable: {problem.flashinfer.why_not}"
+    if not problem.flashinfer.trtllm_arch_supported(problem.sm):
+        needs = "0.6.17" if problem.sm // 10 == 12 else "a build for it"
+        return f"GPU arch sm_{problem.sm} not supported by flashinfer {problem.flashinfer.version} (needs {needs})"
+    if problem.world_size not in TRTLLM_WORLD_SIZES:
+        return f"world size {problem.world_size} not supported (kernel runs on {TRTLLM_WORLD_SIZES})"
+    reason = _common_unsupported(problem)
+    if reason is not None:
+        return reason
+    accesses = problem.hidden_size // (KERNEL_ACCESS_BYTES // problem.dtype.itemsize)
+    if accesses > MAX_ACCESSES_PER_TOKEN:
         return f"hidden size {problem.hidden_size} too large for the kernel's launch shape"
-    threads = kernel_threads_per_block(problem.hidden_size // elems_per_access)
+    threads = kernel_threads_per_block(accesses)
     if threads % WARP_SIZE:
         return (
             f"hidden size {problem.hidden_size} gives {threads}-thread blocks; the kernel's norm reduction "
             f"needs whole warps of {WARP_SIZE}"
         )
     return None
+
+
+def pcie_unsupported(problem: FusionProblem) -> str | None:
+    """Why FlashInfer's PCIe IPC all-reduce can never run this configuration; None if it can."""
+    if not problem.flashinfer.pcie:
+        why = problem.flashinfer.why_not or f"flashinfer {problem.flashinfer.version} is older than 0.7.2"
+        return f"PCIe all-reduce unavailable: {why}"
+    if problem.world_size not in PCIE_WORLD_SIZES:
+        return f"world size {problem.world_size} not supported by the PCIe all-reduce ({PCIE_WORLD_SIZES})"
+    return _common_unsupported(problem)
 
 
 def kernel_threads_per_block(accesses_per_token: int) -> int:
@@ -169,8 +161,17 @@ def kernel_threads_per_block(accesses_per_token: int) -> int:
     return threads
 
 
-def feasible_modes(problem: FusionProblem) -> tuple[FusionMode, ...]:
-    """The fused algorithms the kernel can run for this token count (one-shot first)."""
+def trtllm_token_cap(world_size: int, hidden_size: int) -> int:
+    """Most tokens a TensorRT-LLM workspace may hold: its Lamport exchange (world_size * tokens * hidden
+    * 2 bytes) must stay below 1 GiB, or the kernel's 32-bit buffer offsets wrap (tp=8, hidden 7168:
+    9362 tokens)."""
+    return MAX_LAMPORT_COMM_BYTES // (world_size * hidden_size * 2)
+
+
+def feasible_trtllm_modes(problem: FusionProblem) -> tuple[FusionMode, ...]:
+    """The TensorRT-LLM algorithms that can run this token count in the group's workspace (one-shot first)."""
+    if not 1 <= problem.num_tokens <= problem.trtllm_max_tokens:
+        return ()
     modes = []
     comm_bytes = problem.num_tokens * problem.hidden_size * problem.dtype.itemsize * problem.world_size
     if comm_bytes <= MAX_ONESHOT_COMM_BYTES:
@@ -189,40 +190,71 @@ def flashinfer_prefers_oneshot(problem: FusionProblem) -> bool:
     return comm_mib <= limit_mib
 
 
-def decide(
-    problem: FusionProblem, settings: FusionSettings, entry: ThresholdEntry | None = None
-) -> FusionDecision:
-    """Choose one-shot, two-shot or fallback for `problem`.
-
-    Order: configuration limits (settings, world size, dtypes, arch, alignment), then the token
-    count against the workspace, then the preferred mode (forced by settings, else the thresholds
-    table entry for this GPU/world size/hidden/dtype, else FlashInfer's heuristic), finally
-    whether that mode can run at this token count (otherwise the other fused mode, if it can).
-    """
-    reason = unsupported_reason(problem, settings)
+def _run_trtllm(problem: FusionProblem, wanted: FusionMode, why: str) -> FusionDecision:
+    """`wanted` (one-shot or two-shot) if it fits; else the other algorithm if it fits; else fallback."""
+    reason = trtllm_unsupported(problem)
     if reason is not None:
-        return FusionDecision(FusionMode.FALLBACK, reason)
-    if problem.num_tokens < 1:
-        return FusionDecision(FusionMode.FALLBACK, "no tokens")
-    if problem.num_tokens > problem.workspace_max_tokens:
-        return FusionDecision(
-            FusionMode.FALLBACK,
-            f"{problem.num_tokens} tokens exceed the workspace ({problem.workspace_max_tokens} tokens)",
-        )
-    feasible = feasible_modes(problem)
-    if not feasible:
-        return FusionDecision(FusionMode.FALLBACK, f"no fused algorithm runs {problem.num_tokens} tokens")
-
-    if settings.force_mode is not None:
-        wanted, why = settings.force_mode, "forced by settings"
-    elif entry is not None:
-        wanted, why = entry.mode_for(problem.num_tokens), f"thresholds table ({entry.source or 'no source'})"
-        if wanted is FusionMode.FALLBACK:
-            return FusionDecision(FusionMode.FALLBACK, f"{why}: unfused is faster at {problem.num_tokens} tokens")
-    else:
-        oneshot = flashinfer_prefers_oneshot(problem)
-        wanted, why = (FusionMode.ONESHOT if oneshot else FusionMode.TWOSHOT), "FlashInfer heuristic"
-
+        return FusionDecision(FusionMode.FALLBACK, f"{why}, but {reason}")
+    feasible = feasible_trtllm_modes(problem)
     if wanted in feasible:
         return FusionDecision(wanted, why)
-    return FusionDecision(feasible[0], f"{why} chose {wanted.value}, which cannot run here; using {feasible[0].value}")
+    if feasible:
+        return FusionDecision(feasible[0], f"{why} chose {wanted.value}, which cannot run here; using {feasible[0].value}")
+    return FusionDecision(
+        FusionMode.FALLBACK,
+        f"{why}: {problem.num_tokens} tokens do not fit the TensorRT-LLM workspace ({problem.trtllm_max_tokens} tokens)",
+    )
+
+
+def _run_pcie(problem: FusionProblem, why: str) -> FusionDecision:
+    """The PCIe all-reduce if it can run and the tokens fit its workspace, else fallback."""
+    reason = pcie_unsupported(problem)
+    if reason is not None:
+        return FusionDecision(FusionMode.FALLBACK, f"{why}, but {reason}")
+    if not 1 <= problem.num_tokens <= problem.pcie_max_tokens:
+        return FusionDecision(
+            FusionMode.FALLBACK,
+            f"{why}: {problem.num_tokens} tokens do not fit the PCIe workspace ({problem.pcie_max_tokens} tokens)",
+        )
+    return FusionDecision(FusionMode.PCIE, why)
+
+
+def preferred_implementation(problem: FusionProblem, settings: FusionSettings, entry: ThresholdEntry | None) -> tuple[FusionMode, str]:
+    """What the table wants for this problem before workspace capacity is considered, and why."""
+    if not settings.enabled:
+        return FusionMode.FALLBACK, "fusion disabled by settings"
+    if problem.num_tokens < 1:
+        return FusionMode.FALLBACK, "no tokens"
+    if settings.force_mode is not None:
+        return settings.force_mode, "forced by settings"
+    if entry is not None:
+        wanted, why = entry.mode_for(problem.num_tokens), f"thresholds table ({entry.source or 'no source'})"
+        if wanted is FusionMode.FALLBACK:
+            return wanted, f"{why}: unfused is faster at {problem.num_tokens} tokens"
+        return wanted, why
+    if problem.topology is Topology.NVSWITCH and trtllm_unsupported(problem) is None:
+        oneshot = flashinfer_prefers_oneshot(problem)
+        return (FusionMode.ONESHOT if oneshot else FusionMode.TWOSHOT), "NVSwitch group: FlashInfer heuristic"
+    if problem.topology is Topology.PCIE and pcie_unsupported(problem) is None:
+        return FusionMode.PCIE, "PCIe group"
+    return FusionMode.FALLBACK, _why_unfused_by_default(problem)
+
+
+def _why_unfused_by_default(problem: FusionProblem) -> str:
+    if problem.topology is Topology.NVSWITCH:
+        return f"NVSwitch group, but {trtllm_unsupported(problem)}"
+    if problem.topology is Topology.PCIE:
+        return f"PCIe group, but {pcie_unsupported(problem)}"
+    if problem.topology is Topology.NVLINK:
+        return "NVLink-bridge group (no NVSwitch): the TensorRT-LLM kernel is slower than NCCL there unless measured"
+    return "no peer-to-peer topology (ranks on several hosts or GPUs, or unknown)"
+
+
+def decide(problem: FusionProblem, settings: FusionSettings, entry: ThresholdEntry | None = None) -> FusionDecision:
+    """Choose the implementation for `problem` (see the module docstring for the table)."""
+    wanted, why = preferred_implementation(problem, settings, entry)
+    if wanted is FusionMode.FALLBACK:
+        return FusionDecision(FusionMode.FALLBACK, why)
+    if wanted is FusionMode.PCIE:
+        return _run_pcie(problem, why)
+    return _run_trtllm(problem, wanted, why)

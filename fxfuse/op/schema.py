@@ -14,15 +14,22 @@ such sites):
   model applied the weight in float32 before casting back (`F.rms_norm`), the fused result can differ
   from the unfused one by one rounding step of `dtype`; in float32 both orders are the same.
 
-Overload `tensor_eps` takes `eps` as a 0-dim tensor (read with `float(eps)` when the kernel runs):
-under `torch.compile(dynamic=True)` dynamo turns Python float attributes such as a norm's eps into
-float64 scalar tensor inputs of the graph, and the fusion pass then passes that tensor along, so the
-compiled graph still honours a changed eps without a recompile. The pass uses it only for CPU
-scalars, so reading one never synchronizes a GPU.
+Overloads:
+- `tensor_eps` takes `eps` as a 0-dim tensor (read with `float(eps)` when the kernel runs): under
+  `torch.compile(dynamic=True)` dynamo turns Python float attributes such as a norm's eps into
+  float64 scalar tensor inputs of the graph, and the fusion pass then passes that tensor along, so
+  the compiled graph still honours a changed eps without a recompile. The pass uses it only for CPU
+  scalars, so reading one never synchronizes a GPU.
+- `donate_x` and `donate_x_tensor_eps` are the same with `x` marked as written (`Tensor(a!)`): the
+  kernel may all-reduce in x's memory instead of a copy. The backend emits them wrapped in
+  `auto_functionalized` for Inductor, whose re-inplacing pass passes x itself only where it proves x
+  is dead afterwards (else it hands the op a copy), so the graph's values stay those of the
+  functional op. What x holds after the call is unspecified.
 
-The CPU kernel (gloo) is the reference (its arithmetic is `fxfuse.op.reference.add_rmsnorm`). The CUDA
-kernel lives in `fxfuse.op.cuda_dispatch`, which is imported only when a CUDA tensor reaches the op. The fake kernel makes the op traceable with
-symbolic token counts. Both outputs are fresh tensors: they never alias an input.
+The CPU kernels (gloo) are the reference (their arithmetic is `fxfuse.op.reference.add_rmsnorm`).
+The CUDA kernels live in `fxfuse.op.cuda_dispatch`, imported only when a CUDA tensor reaches the op.
+The fake kernels make the op traceable with symbolic token counts. Both outputs are fresh tensors:
+they never alias an input.
 """
 
 from __future__ import annotations
@@ -33,65 +40,70 @@ import torch.distributed as dist
 from fxfuse.op.reference import add_rmsnorm, resolve_group
 
 OP_NAME = "fxfuse::allreduce_residual_rmsnorm"
-TENSOR_EPS_OP_NAME = f"{OP_NAME}.tensor_eps"
+_RESULTS = "(Tensor normed, Tensor residual_out)"
+#: Overload name -> schema of its arguments.
+OVERLOADS = {
+    "default": "(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name)",
+    "tensor_eps": "(Tensor x, Tensor? residual, Tensor weight, Tensor eps, str group_name)",
+    "donate_x": "(Tensor(a!) x, Tensor? residual, Tensor weight, float eps, str group_name)",
+    "donate_x_tensor_eps": "(Tensor(a!) x, Tensor? residual, Tensor weight, Tensor eps, str group_name)",
+}
+for _overload, _arguments in OVERLOADS.items():
+    torch.library.define(OP_NAME if _overload == "default" else f"{OP_NAME}.{_overload}", f"{_arguments} -> {_RESULTS}")
 
-torch.library.define(
-    OP_NAME,
-    "(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name) -> (Tensor normed, Tensor residual_out)",
-)
-torch.library.define(
-    TENSOR_EPS_OP_NAME,
-    "(Tensor x, Tensor? residual, Tensor weight, Tensor eps, str group_name) -> (Tensor normed, Tensor residual_out)",
-)
 
-
-@torch.library.register_kernel(OP_NAME, "cpu")
-def _allreduce_residual_rmsnorm_cpu(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, group_name: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference kernel: gloo all-reduce of a copy of `x`, then `add_rmsnorm`."""
-    reduced = x.clone(memory_format=torch.contiguous_format)
+def _cpu_kernel(x, residual, weight, eps, group_name, x_donated: bool):
+    """Reference: gloo all-reduce (in x itself when donated and contiguous), then `add_rmsnorm`."""
+    eps = float(eps)
+    reduced = x if x_donated and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=resolve_group(group_name))
-    return add_rmsnorm(reduced, residual, weight, eps)
+    normed, residual_out = add_rmsnorm(reduced, residual, weight, eps)
+    return normed, residual_out.clone() if residual_out is x else residual_out
 
 
-@torch.library.register_kernel(OP_NAME, "cuda")
-def _allreduce_residual_rmsnorm_cuda(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, group_name: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """CUDA kernel: delegates to `fxfuse.op.cuda_dispatch` (imported on first CUDA call)."""
+def _cuda_kernel(x, residual, weight, eps, group_name, x_donated: bool):
+    """Delegates to `fxfuse.op.cuda_dispatch` (imported on the first CUDA call)."""
     from fxfuse.op.cuda_dispatch import allreduce_residual_rmsnorm_cuda
 
-    return allreduce_residual_rmsnorm_cuda(x, residual, weight, eps, group_name)
+    return allreduce_residual_rmsnorm_cuda(x, residual, weight, float(eps), group_name, x_donated)
 
 
-@torch.library.register_fake(OP_NAME)
-def _allreduce_residual_rmsnorm_fake(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, group_name: str
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _fake_kernel(x, residual, weight, eps, group_name):
     """Shapes only: both outputs are new tensors shaped and typed like `x` (works with SymInts)."""
     return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(
         x, memory_format=torch.contiguous_format
     )
 
 
-@torch.library.register_kernel(TENSOR_EPS_OP_NAME, ("cpu", "cuda"))
-def _allreduce_residual_rmsnorm_tensor_eps(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: torch.Tensor, group_name: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `tensor_eps` overload: the float overload with `float(eps)` (a host read for a CPU scalar)."""
-    return allreduce_residual_rmsnorm(x, residual, weight, float(eps), group_name)
+def _register(overload: str) -> None:
+    name = OP_NAME if overload == "default" else f"{OP_NAME}.{overload}"
+    donated = overload.startswith("donate_x")
+
+    def cpu(x, residual, weight, eps, group_name):
+        return _cpu_kernel(x, residual, weight, eps, group_name, donated)
+
+    def cuda(x, residual, weight, eps, group_name):
+        return _cuda_kernel(x, residual, weight, eps, group_name, donated)
+
+    cpu.__doc__ = f"CPU reference kernel of `{name}`."
+    cuda.__doc__ = f"CUDA kernel of `{name}`."
+    torch.library.register_kernel(name, "cpu", cpu)
+    torch.library.register_kernel(name, "cuda", cuda)
+    torch.library.register_fake(name, _fake_kernel)
 
 
-@torch.library.register_fake(TENSOR_EPS_OP_NAME)
-def _allreduce_residual_rmsnorm_tensor_eps_fake(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: torch.Tensor, group_name: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Shapes only, as the float overload."""
-    return _allreduce_residual_rmsnorm_fake(x, residual, weight, 0.0, group_name)
-
+for _overload in OVERLOADS:
+    _register(_overload)
 
 # The fused op's overloads, as they appear as the targets of nodes in FX graphs.
 allreduce_residual_rmsnorm = torch.ops.fxfuse.allreduce_residual_rmsnorm.default
 allreduce_residual_rmsnorm_tensor_eps = torch.ops.fxfuse.allreduce_residual_rmsnorm.tensor_eps
+allreduce_residual_rmsnorm_donate_x = torch.ops.fxfuse.allreduce_residual_rmsnorm.donate_x
+allreduce_residual_rmsnorm_donate_x_tensor_eps = torch.ops.fxfuse.allreduce_residual_rmsnorm.donate_x_tensor_eps
+#: The functional overloads, which the passes emit.
 FUSED_OPS = (allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps)
+#: Functional overload -> its donating twin.
+DONATING_TWIN = {
+    allreduce_residual_rmsnorm: allreduce_residual_rmsnorm_donate_x,
+    allreduce_residual_rmsnorm_tensor_eps: allreduce_residual_rmsnorm_donate_x_tensor_eps,
+}

@@ -1,8 +1,11 @@
-"""Thresholds table: where the fused kernel beats unfused, and whether one-shot or two-shot wins.
+"""Thresholds table: measured token ranges where each implementation of the fused op is fastest.
 
-One entry per (GPU name, world size, hidden size, dtype) holds ordered token ranges, each with
-a mode: `{"max_tokens": 64, "mode": "oneshot"}, {"max_tokens": 512, "mode": "twoshot"}` means
-one-shot up to 64 tokens, two-shot from 65 to 512, unfused (fallback) above 512.
+One entry per (GPU name, topology, world size, hidden size, dtype) holds ordered token ranges, each
+with a mode (`oneshot`, `twoshot`, `pcie` or `fallback`): `{"max_tokens": 64, "mode": "oneshot"},
+{"max_tokens": 512, "mode": "twoshot"}` means one-shot up to 64 tokens, two-shot from 65 to 512,
+unfused (fallback) above 512. An entry's `topology` (`nvswitch`, `nvlink`, `pcie`, `none`) is
+optional; without it (`any`) the entry applies to every topology of that GPU, and an entry for the
+group's own topology wins over an `any` entry.
 
 `load_thresholds()` reads fxfuse/op/default_thresholds.json, then an override file (its `path`
 argument, else the file named by the FXFUSE_THRESHOLDS environment variable), whose entries
@@ -13,6 +16,8 @@ feeds a decision that all ranks must take identically.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -27,7 +32,9 @@ ENV_THRESHOLDS = "FXFUSE_THRESHOLDS"
 DEFAULT_PATH = Path(__file__).with_name("default_thresholds.json")
 FORMAT = "fxfuse-thresholds/1"
 
-TableKey = tuple[str, int, int, str]
+TableKey = tuple[str, str, int, int, str]
+#: The topology of an entry that applies to every topology.
+ANY_TOPOLOGY = "any"
 
 
 class ThresholdsError(ValueError):
@@ -41,9 +48,9 @@ def dtype_name(dtype: torch.dtype | str) -> str:
     return dtype.removeprefix("torch.")
 
 
-def table_key(gpu: str, world_size: int, hidden_size: int, dtype: torch.dtype | str) -> TableKey:
+def table_key(gpu: str, world_size: int, hidden_size: int, dtype: torch.dtype | str, topology: str = ANY_TOPOLOGY) -> TableKey:
     """The lookup key: GPU name compared case- and space-insensitively."""
-    return (" ".join(gpu.lower().split()), int(world_size), int(hidden_size), dtype_name(dtype))
+    return (" ".join(gpu.lower().split()), str(topology), int(world_size), int(hidden_size), dtype_name(dtype))
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ class ThresholdEntry:
     dtype: str
     ranges: tuple[TokenRange, ...]
     source: str = ""
+    topology: str = ANY_TOPOLOGY
 
     def __post_init__(self) -> None:
         bounds = [r.max_tokens for r in self.ranges]
@@ -72,7 +80,7 @@ class ThresholdEntry:
 
     def key(self) -> TableKey:
         """This entry's lookup key."""
-        return table_key(self.gpu, self.world_size, self.hidden_size, self.dtype)
+        return table_key(self.gpu, self.world_size, self.hidden_size, self.dtype, self.topology)
 
     def mode_for(self, num_tokens: int) -> FusionMode:
         """The mode of the first range covering `num_tokens`; fallback beyond the last range."""
@@ -85,6 +93,7 @@ class ThresholdEntry:
         """JSON-ready form (the file format of one entry)."""
         return {
             "gpu": self.gpu,
+            "topology": self.topology,
             "world_size": self.world_size,
             "hidden_size": self.hidden_size,
             "dtype": self.dtype,
@@ -103,6 +112,7 @@ class ThresholdEntry:
             dtype=dtype_name(str(data["dtype"])),
             ranges=ranges,
             source=str(data.get("source", "")),
+            topology=str(data.get("topology", ANY_TOPOLOGY)),
         )
 
 
@@ -112,9 +122,16 @@ class ThresholdTable:
 
     entries: Mapping[TableKey, ThresholdEntry] = field(default_factory=dict)
 
-    def lookup(self, gpu: str, world_size: int, hidden_size: int, dtype: torch.dtype | str) -> ThresholdEntry | None:
-        """The entry for this GPU/world size/hidden size/dtype, or None."""
-        return self.entries.get(table_key(gpu, world_size, hidden_size, dtype))
+    def lookup(
+        self, gpu: str, world_size: int, hidden_size: int, dtype: torch.dtype | str, topology: str = ANY_TOPOLOGY
+    ) -> ThresholdEntry | None:
+        """The entry for this GPU/topology/world size/hidden size/dtype (else its `any`-topology entry), or None."""
+        exact = self.entries.get(table_key(gpu, world_size, hidden_size, dtype, topology))
+        return exact if exact is not None else self.entries.get(table_key(gpu, world_size, hidden_size, dtype))
+
+    def digest(self) -> str:
+        """A short checksum of the entries, compared across ranks (they must decide from one table)."""
+        return hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
 
     def merged(self, override: "ThresholdTable") -> "ThresholdTable":
         """This table with `override`'s entries added, replacing entries with the same key."""
@@ -168,3 +185,9 @@ def load_thresholds(path: str | os.PathLike | None = None, environ: Mapping[str,
     if override is not None:
         table = table.merged(read_table(override))
     return table
+
+
+@functools.cache
+def current_thresholds() -> ThresholdTable:
+    """This process's table: the default file merged with $FXFUSE_THRESHOLDS (read once)."""
+    return load_thresholds()

@@ -1,69 +1,111 @@
-"""The one place fxfuse touches FlashInfer: its TensorRT-LLM all-reduce + residual + RMSNorm kernel.
+"""FlashInfer's TensorRT-LLM all-reduce + residual + RMSNorm kernel, on a workspace fxfuse builds itself.
 
-`TrtllmFusionKernels` imports FlashInfer only when `load()` is called (the CUDA path; CPU code
-and CPU tests never import this library). It uses FlashInfer's TensorRT-LLM ("trtllm") functions
-directly: `trtllm_create_ipc_workspace_for_all_reduce_fusion`, `trtllm_allreduce_fusion` with
-pattern kARResidualRMSNorm and fp32 accumulation, and
-`trtllm_destroy_ipc_workspace_for_all_reduce_fusion`. They exist with the same keywords from
-0.6.3 to 0.7.4. fxfuse never uses the unified `create_allreduce_fusion_workspace`: its backend
-"auto" may choose "mnnvl" (NVLink multicast, which must not be used on shared machines), and in
-0.6.3 it cannot take a process group.
+`TrtllmFusionKernels` imports FlashInfer only in `load()` (the CUDA path; CPU code never imports
+it) and launches `flashinfer.comm.trtllm_allreduce_fusion` with pattern kARResidualRMSNorm and fp32
+accumulation, never the unified API (its backend "auto" may pick "mnnvl", NVLink multicast, which
+must not run on shared machines).
 
-Version differences handled here: 0.6.3 allocates CUDA-IPC buffers (this works for ranks
-sharing one GPU), prints while doing so (sent to the debug log instead), and frees them
-collectively. Later versions allocate torch symmetric memory and free it locally.
+The workspace is built here, in the layout FlashInfer's `trtllm_create_ipc_workspace_for_all_reduce_fusion`
+documents (0.6.3 to 0.7.x), from `fxfuse.op.cuda_ipc` shared buffers rather than by that function:
+- FlashInfer 0.6.3 leaves the two-shot barrier flags uninitialised (stale flags in reused memory can
+  let the first barrier pass early), never frees its 20-byte flag buffer nor unmaps its peers' buffers,
+  and can leave peers waiting in a barrier when mapping fails on one rank;
+- 0.7.x allocates through torch symmetric memory, which refuses ranks that share a GPU.
+Built here, every allocation is agreed, zeroed and released, on every version and for shared GPUs.
+Layout, per rank: a two-shot buffer of world_size * tokens * hidden 16-bit elements, world_size * 256
+int32 barrier flags (zeroed), three Lamport buffers of `lamport_comm_bytes` each (filled by FlashInfer's
+`trtllm_lamport_initialize`), and a local int32[5] state {0, 0, 0, lamport_comm_bytes, 0}. The kernel
+reads one device table of pointers: every rank's two-shot buffer, every rank's flags, every rank's
+Lamport buffer, then the state.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import io
-import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-logger = logging.getLogger(__name__)
+from fxfuse.op.agreement import all_ranks_agree
+from fxfuse.op.cuda_ipc import SharedBuffer, close_shared_buffers, create_shared_buffers
+from fxfuse.op.policy import MAX_LAMPORT_COMM_BYTES
 
-#: Oldest FlashInfer release this adapter was written against (newest read: 0.7.4).
-MIN_FLASHINFER_VERSION = "0.6.3"
+
+#: Barrier flags per rank in the kernel's two-shot protocol (FlashInfer's BarrierFlagCount).
+BARRIER_FLAGS_PER_RANK = 256
+#: Buffers are rounded up to 2 MiB, as FlashInfer 0.6.x does.
+BUFFER_ALIGNMENT = 1 << 21
+#: FlashInfer functions this adapter calls.
+NEEDED_API = ("trtllm_allreduce_fusion", "AllReduceFusionPattern")
 
 
 class FlashInferUnavailable(RuntimeError):
     """FlashInfer or its all-reduce fusion kernel cannot be used in this process; says why."""
 
 
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple
+
+
+@dataclass(frozen=True)
+class TrtllmLayout:
+    """Byte sizes of one rank's workspace buffers for (world size, tokens, hidden)."""
+
+    two_shot_bytes: int
+    flag_bytes: int
+    lamport_comm_bytes: int
+
+    @property
+    def lamport_bytes(self) -> int:
+        """The three Lamport buffers together."""
+        return 3 * self.lamport_comm_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Device memory one rank allocates for the kernel (rounded as allocated)."""
+        return sum(_round_up(size, BUFFER_ALIGNMENT) for size in (self.two_shot_bytes, self.flag_bytes, self.lamport_bytes))
+
+
+def trtllm_layout(world_size: int, max_tokens: int, hidden_size: int) -> TrtllmLayout:
+    """The workspace layout for 16-bit activations; raises ValueError above the 32-bit offset limit."""
+    comm = world_size * max_tokens * hidden_size * 2
+    if comm > MAX_LAMPORT_COMM_BYTES:
+        raise ValueError(
+            f"a TensorRT-LLM workspace of {max_tokens} tokens x hidden {hidden_size} at world size {world_size} needs a "
+            f"{comm / 2**30:.2f} GiB Lamport exchange; the kernel's 32-bit offsets allow less than 1 GiB"
+        )
+    return TrtllmLayout(two_shot_bytes=comm, flag_bytes=world_size * BARRIER_FLAGS_PER_RANK * 4, lamport_comm_bytes=comm)
+
+
 @dataclass
 class TrtllmWorkspace:
-    """FlashInfer's workspace for one rank: the IPC pointers, the device pointer table, metadata."""
+    """One rank's part of a workspace: the shared buffers, the kernel's state and its pointer table."""
 
-    ipc_handles: list
-    pointer_table: torch.Tensor
-    metadata: dict
     rank: int
     world_size: int
+    layout: TrtllmLayout
+    buffers: list[SharedBuffer]
+    state: torch.Tensor
+    pointer_table: torch.Tensor
+    zero_residual: torch.Tensor
 
-
-def _undeprecated(fn):
-    """The function under a `typing_extensions.deprecated` wrapper (whose warning fires per call)."""
-    return getattr(fn, "__wrapped__", fn)
+    def zero_residual_for(self, num_tokens: int) -> torch.Tensor:
+        """A [num_tokens, hidden] all-zero residual (adding it leaves the all-reduced sum unchanged)."""
+        return self.zero_residual[:num_tokens]
 
 
 class TrtllmFusionKernels:
     """FlashInfer's TensorRT-LLM fusion kernel and its workspace, loaded lazily.
 
-    `load()` raises FlashInferUnavailable once with the reason and remembers it; later calls
-    raise the same error without retrying.
+    `load()` raises FlashInferUnavailable once with the reason and remembers it; later calls raise
+    the same error without retrying.
     """
 
     def __init__(self) -> None:
         self._comm: Any = None
         self._error: FlashInferUnavailable | None = None
-        self.version = "not loaded"
-        self.frees_collectively = False
 
     def load(self) -> None:
         """Import FlashInfer, check its API, and build (JIT, minutes the first time) the kernel."""
@@ -75,64 +117,57 @@ class TrtllmFusionKernels:
             self._comm = self._import_and_build()
         except Exception as exc:  # noqa: BLE001 - any import/JIT failure means: fall back
             self._error = FlashInferUnavailable(f"FlashInfer all-reduce fusion unavailable: {type(exc).__name__}: {exc}")
-            logger.warning("%s; using the NCCL fallback", self._error)
             raise self._error from exc
 
-    def _import_and_build(self) -> Any:
+    @staticmethod
+    def _import_and_build() -> Any:
         if not torch.cuda.is_available():
             raise FlashInferUnavailable("no CUDA device")
-        flashinfer = importlib.import_module("flashinfer")
         comm = importlib.import_module("flashinfer.comm")
         trtllm_ar = importlib.import_module("flashinfer.comm.trtllm_ar")
-        needed = (
-            "trtllm_create_ipc_workspace_for_all_reduce_fusion",
-            "trtllm_allreduce_fusion",
-            "trtllm_destroy_ipc_workspace_for_all_reduce_fusion",
-            "AllReduceFusionPattern",
-        )
-        missing = [name for name in needed if not hasattr(comm, name)]
+        missing = [name for name in NEEDED_API if not hasattr(comm, name)]
+        if not hasattr(trtllm_ar, "trtllm_lamport_initialize"):
+            missing.append("trtllm_ar.trtllm_lamport_initialize")
         if missing:
-            raise FlashInferUnavailable(
-                f"flashinfer {getattr(flashinfer, '__version__', '?')} lacks {', '.join(missing)} "
-                f"(fxfuse supports {MIN_FLASHINFER_VERSION} to 0.7.x)"
-            )
-        self.version = getattr(flashinfer, "__version__", "unknown")
-        # 0.6.3 frees its CUDA-IPC buffers with a barrier; later versions free locally.
-        self.frees_collectively = hasattr(trtllm_ar, "free_shared_buffer")
-        build = getattr(trtllm_ar, "get_trtllm_comm_module", None)
-        if build is not None:
-            build()  # JIT-compiles trtllm_comm on first use (about 2 minutes), then loads it
+            raise FlashInferUnavailable(f"this flashinfer lacks {', '.join(missing)}")
+        trtllm_ar.get_trtllm_comm_module()  # JIT-compiles trtllm_comm on first use (about 2 minutes), then loads it
         return comm
 
     def create_workspace(
         self, group: dist.ProcessGroup, rank: int, world_size: int, max_tokens: int, hidden_size: int, dtype: torch.dtype
     ) -> TrtllmWorkspace:
-        """Allocate and exchange this rank's workspace (collective over `group`)."""
+        """Allocate, share and initialise this rank's workspace for `dtype` activations (collective over `group`)."""
         self.load()
-        create = _undeprecated(self._comm.trtllm_create_ipc_workspace_for_all_reduce_fusion)
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            ipc_handles, pointer_table, metadata = create(
-                tp_rank=rank,
-                tp_size=world_size,
-                max_token_num=max_tokens,
-                hidden_dim=hidden_size,
-                use_fp32_lamport=dtype == torch.float32,
-                group=group,
-                create_metadata=True,
-            )
-        if printed.getvalue():
-            logger.debug("flashinfer workspace creation printed:\n%s", printed.getvalue())
-        return TrtllmWorkspace(ipc_handles, pointer_table, metadata, rank, world_size)
+        layout = trtllm_layout(world_size, max_tokens, hidden_size)
+        sizes = [_round_up(s, BUFFER_ALIGNMENT) for s in (layout.two_shot_bytes, layout.flag_bytes, layout.lamport_bytes)]
+        buffers = create_shared_buffers(sizes, group)
+        two_shot, flags, lamport = buffers
+        error: Exception | None = None
+        try:
+            device = torch.device("cuda", torch.cuda.current_device())
+            _device_view(flags.local, flags.size, device).zero_()
+            lamport_init = importlib.import_module("flashinfer.comm.trtllm_ar").trtllm_lamport_initialize
+            lamport_init(lamport.local, lamport.size // 2, torch.float16)
+            state = torch.tensor([0, 0, 0, layout.lamport_comm_bytes, 0], dtype=torch.int32, device=device)
+            table = [*two_shot.pointers, *flags.pointers, *lamport.pointers, state.data_ptr()]
+            pointer_table = torch.tensor(table, dtype=torch.int64, device=device)
+            zero_residual = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)
+            torch.cuda.synchronize(device)
+        except Exception as exc:  # noqa: BLE001 - agreed below, then raised on every rank
+            error = exc
+        if not all_ranks_agree(error is None, 0, group):  # no peer writes into buffers a rank has not initialised
+            close_shared_buffers(buffers, group)
+            raise FlashInferUnavailable(f"initialising the workspace failed: {error or 'on another rank'}") from error
+        return TrtllmWorkspace(rank, world_size, layout, buffers, state, pointer_table, zero_residual)
 
     def destroy_workspace(self, handle: TrtllmWorkspace, group: dist.ProcessGroup) -> None:
-        """Free a workspace; all ranks of `group` must call this together."""
-        _undeprecated(self._comm.trtllm_destroy_ipc_workspace_for_all_reduce_fusion)(handle.ipc_handles, group)
+        """Free a workspace; all ranks of `group` must call this together (after their kernels finished)."""
+        torch.cuda.synchronize()
+        close_shared_buffers(handle.buffers, group)
 
     def release_workspace(self, handle: TrtllmWorkspace) -> None:
-        """Free a workspace without peers where the library allows it; else leave it to process exit."""
-        if not self.frees_collectively:
-            _undeprecated(self._comm.trtllm_destroy_ipc_workspace_for_all_reduce_fusion)(handle.ipc_handles, None)
+        """Unmap and free this rank's buffers without talking to peers (at exit, or after a failure)."""
+        close_shared_buffers(handle.buffers, None)
 
     def allreduce_residual_rmsnorm(
         self,
@@ -145,13 +180,14 @@ class TrtllmFusionKernels:
         residual_out: torch.Tensor,
         oneshot: bool,
     ) -> None:
-        """Launch the fused kernel on [tokens, hidden] contiguous tensors, writing the two outputs.
+        """Launch the fused kernel on [tokens, hidden] contiguous, 16-byte aligned tensors.
 
         residual_out = sum over ranks of x + residual; norm_out = rmsnorm(residual_out) * weight,
         summed in fp32. Safe inside CUDA-graph capture (no allocation, no host sync).
         """
         num_tokens, hidden_size = x.shape
-        _undeprecated(self._comm.trtllm_allreduce_fusion)(
+        fusion = getattr(self._comm.trtllm_allreduce_fusion, "__wrapped__", self._comm.trtllm_allreduce_fusion)
+        fusion(
             allreduce_in=x,
             world_size=workspace.world_size,
             world_rank=workspace.rank,
@@ -173,5 +209,16 @@ class TrtllmFusionKernels:
             rms_eps=float(eps),
             scale_factor=None,
             layout_code=None,
-            metadata=workspace.metadata,
         )
+
+
+class _DeviceArray:
+    """A `__cuda_array_interface__` view of raw device memory, for torch.as_tensor (no copy)."""
+
+    def __init__(self, pointer: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (pointer, False), "version": 3}
+
+
+def _device_view(pointer: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over `nbytes` of raw device memory at `pointer` (it does not own the memory)."""
+    return torch.as_tensor(_DeviceArray(pointer, nbytes), device=device)

@@ -1,21 +1,24 @@
-"""Lifecycle of the fused kernel's workspaces: one per (process group, hidden size, dtype).
+"""Lifecycle of the fused op's workspaces: one per (process group, hidden size, dtype) and kind.
 
-A `WorkspaceRegistry` owns this process's workspaces. Lifecycle of one workspace:
-  1. created by `prepare(...)` (explicit; all ranks of the group call it with the same
-     arguments) or by the first fused call outside CUDA-graph capture. A first call *during*
-     capture raises `WorkspaceNotPrepared`, since creation allocates and talks to the peers;
-  2. creation is agreed in two rounds, each one all_reduce of (ok flag, configuration
-     fingerprint) over the group: first every rank checks locally that the kernels load, that
-     the memory is free, and allocates its zero residual; then every rank creates its part of
-     the library's workspace (a collective). If any rank fails either round, or the ranks'
-     fingerprints differ, every rank marks the key failed, logs once and falls back for good,
-     so no rank is left waiting in a collective the others skipped. (A failure inside the
-     library's own exchange, before a rank reaches it, cannot be caught this way: the
-     free-memory check of round 1 exists to make that case unlikely);
-  3. used by every later call with that key (read-only);
-  4. freed by `destroy(group)` (collective: all ranks of the group call it), or at interpreter
-     exit by `release_all()`, which never talks to peers (they may have exited already): it
-     frees what can be freed locally and leaves the rest to process teardown.
+A `WorkspaceRegistry` owns this process's workspaces of one kind (the TensorRT-LLM kernel's, or the
+PCIe all-reduce's). The rules, which every rank follows identically:
+  1. Creation is explicit (`fxfuse.prepare`, every rank with the same arguments) or happens on the
+     first call that needs it, outside CUDA-graph capture; a first call *during* capture raises
+     `WorkspaceNotPrepared`, since creation allocates and talks to the peers.
+  2. Creation is agreed in two rounds, each one all_reduce of (ok flag, request checksum): first every
+     rank checks locally that the kernels load and the memory is free; then every rank creates its
+     part (a collective whose own failures are agreed too, see `fxfuse.op.cuda_ipc`). If any rank fails
+     either round, or the ranks asked for different workspaces, every rank marks the key failed, logs
+     once and falls back for good, so no rank is left waiting in a collective the others skipped.
+  3. A workspace that a captured CUDA graph may use is never freed behind the graph's back: asking
+     for more tokens makes a NEW workspace and keeps the old one alive (retired), and
+     `destroy(group)` refuses to free a workspace used during a capture unless the caller says the
+     graphs are gone (`graphs_released=True`).
+  4. `destroy` is collective (all ranks of the group call it). At interpreter exit `release_all()`
+     never talks to peers (they, or the process group, may be gone): it waits a bounded time for this
+     GPU's work to finish (a rank whose peer died mid-kernel would spin forever), then unmaps and
+     frees what it can locally; if the GPU is still busy it says so and leaves the rest to process
+     teardown.
 The registry holds no tensor-parallel state beyond this cache, keyed by group name.
 """
 
@@ -23,108 +26,84 @@ from __future__ import annotations
 
 import atexit
 import logging
-import zlib
-from dataclasses import dataclass
+import sys
+import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
+from fxfuse.op.agreement import all_ranks_agree, fingerprint
+from fxfuse.op.trtllm_kernels import trtllm_layout
+
 logger = logging.getLogger(__name__)
 
 WorkspaceKey = tuple[str, int, torch.dtype]
+
+#: How long `release_all` waits at exit for this GPU's kernels before giving up on releasing.
+EXIT_WAIT_S = 10.0
 
 
 class WorkspaceNotPrepared(RuntimeError):
     """The first fused call for a (group, hidden size, dtype) came during CUDA-graph capture."""
 
 
-class FusionKernels(Protocol):
+class WorkspaceKernels(Protocol):
     """What the registry needs from a kernel library (FlashInfer's, or a fake in tests)."""
 
     def load(self) -> None:
         """Import and build the kernels on this rank; raise if they cannot run here."""
 
-    def create_workspace(
-        self, group: dist.ProcessGroup, rank: int, world_size: int, max_tokens: int, hidden_size: int, dtype: torch.dtype
-    ) -> Any:
-        """Create this rank's part of the shared workspace (collective over `group`)."""
-
     def destroy_workspace(self, handle: Any, group: dist.ProcessGroup) -> None:
-        """Free a workspace (collective over `group` for some library versions)."""
+        """Free a workspace (collective over `group`)."""
 
     def release_workspace(self, handle: Any) -> None:
-        """Free what can be freed without talking to peers (used at exit and after failures)."""
+        """Free what can be freed without talking to peers (at exit)."""
 
 
 @dataclass
 class FusionWorkspace:
-    """A ready workspace: the library's handle plus an all-zero residual for calls without one."""
+    """A ready workspace: the library's handle, its token capacity, and whether a capture used it."""
 
     key: WorkspaceKey
-    rank: int
-    world_size: int
     max_tokens: int
     handle: Any
-    zero_residual: torch.Tensor
-
-    def zero_residual_for(self, num_tokens: int) -> torch.Tensor:
-        """A [num_tokens, hidden] all-zero residual (adding it leaves the all-reduced sum unchanged)."""
-        return self.zero_residual[:num_tokens]
-
-
-def workspace_bytes(world_size: int, max_tokens: int, hidden_size: int, dtype: torch.dtype) -> int:
-    """Device memory one rank needs for a workspace: the kernel's buffers plus the zero residual.
-
-    FlashInfer allocates a two-shot buffer and three Lamport buffers of world_size * max_tokens *
-    hidden 16-bit elements each, plus small flag buffers (each rounded up to 2 MiB in 0.6.x).
-    """
-    kernel_buffers = 4 * world_size * max_tokens * hidden_size * 2 + 3 * (2 << 20)
-    return kernel_buffers + max_tokens * hidden_size * dtype.itemsize
-
-
-def fingerprint(*values: Any) -> int:
-    """A 31-bit checksum of `values`' reprs, compared across ranks to detect disagreeing configs."""
-    return zlib.crc32(repr(values).encode()) & 0x7FFFFFFF
-
-
-def collective_device(group: dist.ProcessGroup) -> torch.device:
-    """Where a small tensor must live for a collective on `group` (CPU for gloo, else the GPU)."""
-    if "gloo" in str(dist.get_backend(group)):
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def all_ranks_agree(ok: bool, config_fingerprint: int, group: dist.ProcessGroup) -> bool:
-    """True on every rank iff every rank passed `ok` and the same fingerprint (one all_reduce)."""
-    flags = torch.tensor([int(ok), config_fingerprint, -config_fingerprint], dtype=torch.int64)
-    flags = flags.to(collective_device(group))
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
-    all_ok, lowest, minus_highest = flags.tolist()
-    return all_ok == 1 and lowest == -minus_highest
+    captured: bool = field(default=False)
 
 
 class WorkspaceRegistry:
-    """This process's workspaces by (group name, hidden size, dtype); see the module docstring.
+    """This process's workspaces of one kind, by (group name, hidden size, dtype); see the module docstring.
 
-    `kernels_factory` returns the kernel library (called once, lazily, on first creation).
-    `config_fingerprint(group, hidden_size, dtype, max_tokens)` returns a checksum of everything
-    the fused-or-not decision depends on (settings, thresholds, GPU); ranks must agree on it.
+    `kernels_factory` returns the kernel library (called once, lazily). `bytes_needed(world_size,
+    max_tokens, hidden_size, dtype)` is the device memory one rank needs for a workspace (checked
+    against free memory before creating). `device_idle(timeout_s)` says whether this GPU finished its
+    work within the timeout (replaced in tests).
     """
 
     def __init__(
         self,
-        kernels_factory: Callable[[], FusionKernels],
-        config_fingerprint: Callable[[dist.ProcessGroup, int, torch.dtype, int], int] = lambda *a: 0,
-        device_for_buffers: Callable[[], torch.device] = lambda: torch.device("cuda", torch.cuda.current_device()),
+        name: str,
+        kernels_factory: Callable[[], Any],
+        bytes_needed: Callable[[int, int, int, torch.dtype], int],
+        device_idle: Callable[[float], bool] | None = None,
     ):
+        self.name = name
         self._kernels_factory = kernels_factory
-        self._kernels: FusionKernels | None = None
-        self._config_fingerprint = config_fingerprint
-        self._device_for_buffers = device_for_buffers
+        self._kernels: Any = None
+        self._bytes_needed = bytes_needed
+        self._device_idle = device_idle or _cuda_device_idle
         self._ready: dict[WorkspaceKey, FusionWorkspace] = {}
+        self._retired: list[FusionWorkspace] = []
         self._failed: dict[WorkspaceKey, str] = {}
         self._exit_hook_installed = False
+
+    @property
+    def kernels(self) -> Any:
+        """The kernel library (created on first use)."""
+        if self._kernels is None:
+            self._kernels = self._kernels_factory()
+        return self._kernels
 
     def lookup(self, group_name: str, hidden_size: int, dtype: torch.dtype) -> FusionWorkspace | None:
         """The ready workspace for this key, or None (absent or failed)."""
@@ -134,109 +113,128 @@ class WorkspaceRegistry:
         """Why creation failed for this key (agreed by all ranks), or None."""
         return self._failed.get((group_name, hidden_size, dtype))
 
-    def for_call(self, group_name: str, hidden_size: int, dtype: torch.dtype, max_tokens: int) -> FusionWorkspace | None:
-        """The workspace a fused call uses, created on first use; None if creation failed.
+    def retired(self) -> list[FusionWorkspace]:
+        """Replaced workspaces kept alive for the CUDA graphs that may still use them."""
+        return list(self._retired)
 
-        Raises WorkspaceNotPrepared when it would have to be created during CUDA-graph capture.
-        """
-        key = (group_name, hidden_size, dtype)
-        if key in self._ready:
-            return self._ready[key]
-        if key in self._failed:
-            return None
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise WorkspaceNotPrepared(
-                f"the fused all-reduce + RMSNorm workspace for group {group_name!r}, hidden size {hidden_size}, "
-                f"{dtype} does not exist yet and cannot be created during CUDA-graph capture: call "
-                f"fxfuse.prepare(group, hidden_size={hidden_size}, dtype={dtype}, max_tokens=N) on every rank "
-                "before capturing (or run one step eagerly first)"
-            )
-        group = dist.distributed_c10d._resolve_process_group(group_name)
-        return self.prepare(group, hidden_size, dtype, max_tokens)
+    def ensure(
+        self,
+        group: dist.ProcessGroup,
+        hidden_size: int,
+        dtype: torch.dtype,
+        max_tokens: int,
+        create: Callable[[Any], Any],
+    ) -> FusionWorkspace | None:
+        """The workspace for this key holding at least `max_tokens`, created (collectively) if needed.
 
-    def prepare(self, group: dist.ProcessGroup, hidden_size: int, dtype: torch.dtype, max_tokens: int) -> FusionWorkspace | None:
-        """Create (collectively) the workspace for this key; None if any rank could not.
-
-        Keeps an existing workspace that already holds `max_tokens`; replaces a smaller one.
+        `create(kernels)` makes this rank's part (a collective). Returns None, on every rank, if any
+        rank could not. Raises WorkspaceNotPrepared when it would have to be created during capture.
         """
         key = (group.group_name, hidden_size, dtype)
         existing = self._ready.get(key)
         if existing is not None and existing.max_tokens >= max_tokens:
             return existing
-        if existing is not None:
-            self._destroy_one(existing, group)
-        self._failed.pop(key, None)
-        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        config = self._config_fingerprint(group, hidden_size, dtype, max_tokens)
-
-        kernels, zero_residual, local_error = self._prepare_here(world_size, max_tokens, hidden_size, dtype)
-        if not all_ranks_agree(local_error is None, config, group):
-            return self._mark_failed(key, local_error or "another rank could not load the kernels, or settings differ")
+        if key in self._failed:
+            return None
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise WorkspaceNotPrepared(
+                f"the fused all-reduce + RMSNorm {self.name} workspace for group {group.group_name!r}, hidden size "
+                f"{hidden_size}, {dtype} does not exist yet (or is too small) and cannot be created during CUDA-graph "
+                f"capture: call fxfuse.prepare(group, hidden_size={hidden_size}, dtype={dtype}, max_tokens=N) on every "
+                "rank before capturing (or run one step eagerly first)"
+            )
+        world_size = dist.get_world_size(group)
+        request = fingerprint(self.name, hidden_size, str(dtype), max_tokens)
+        local_error = self._check_here(world_size, max_tokens, hidden_size, dtype)
+        if not all_ranks_agree(local_error is None, request, group):
+            return self._mark_failed(key, local_error or "another rank could not load the kernels, or asked for another workspace")
 
         handle, local_error = None, None
         try:
-            handle = kernels.create_workspace(group, rank, world_size, max_tokens, hidden_size, dtype)
+            handle = create(self.kernels)
         except Exception as exc:  # noqa: BLE001 - any failure must become an agreed fallback, not a hang
             local_error = f"workspace creation failed: {type(exc).__name__}: {exc}"
-        if not all_ranks_agree(local_error is None, config, group):
-            if handle is not None:
-                kernels.release_workspace(handle)
+        if not all_ranks_agree(local_error is None, request, group):
+            if handle is not None:  # only some ranks hold a part: free it locally, no collective
+                self.kernels.release_workspace(handle)
             return self._mark_failed(key, local_error or "workspace creation failed on another rank")
 
-        workspace = FusionWorkspace(key, rank, world_size, max_tokens, handle, zero_residual)
+        if existing is not None:
+            self._retired.append(self._ready.pop(key))
+        workspace = FusionWorkspace(key, max_tokens, handle)
         self._ready[key] = workspace
         self._install_exit_hook()
-        logger.info("fused all-reduce + RMSNorm workspace ready: group %s, hidden %d, %s, %d tokens", *key, max_tokens)
+        logger.info("fused all-reduce + RMSNorm %s workspace ready: group %s, hidden %d, %s, %d tokens",
+                    self.name, *key, max_tokens)
         return workspace
 
-    def destroy(self, group: dist.ProcessGroup | None = None) -> None:
-        """Free the workspaces of `group` (all groups if None) and forget failures; collective."""
-        for key, workspace in list(self._ready.items()):
-            if group is None or key[0] == group.group_name:
-                self._destroy_one(workspace, group or dist.distributed_c10d._resolve_process_group(key[0]))
-        for key in list(self._failed):
-            if group is None or key[0] == group.group_name:
-                del self._failed[key]
+    def note_use(self, workspace: FusionWorkspace) -> None:
+        """Record a call on `workspace`; one during CUDA-graph capture pins it until the graphs are released."""
+        if not workspace.captured and torch.cuda.is_current_stream_capturing():
+            workspace.captured = True
 
-    def release_all(self) -> None:
-        """Drop every workspace without talking to peers (at exit, when peers may be gone)."""
-        for workspace in self._ready.values():
-            try:
-                self._kernels.release_workspace(workspace.handle)
-            except Exception:  # noqa: BLE001 - best effort at interpreter exit
-                logger.debug("releasing workspace %s failed", workspace.key, exc_info=True)
-        self._ready.clear()
+    def destroy(self, group: dist.ProcessGroup | None = None, graphs_released: bool = False) -> None:
+        """Free the workspaces of `group` (all groups if None), retired ones too, and forget failures.
 
-    def _prepare_here(self, world_size: int, max_tokens: int, hidden_size: int, dtype: torch.dtype):
-        """Round 1, local part: load kernels, check free memory, allocate the zero residual.
-
-        Returns (kernels, zero_residual, error); error is None on success.
+        Collective. Raises RuntimeError, before freeing anything, if a workspace was used while a CUDA
+        graph was captured and `graphs_released` is not True: replaying such a graph after the free
+        would write through freed memory on this GPU and its peers.
         """
-        try:
-            if self._kernels is None:
-                self._kernels = self._kernels_factory()
-            self._kernels.load()
-            device = self._device_for_buffers()
-            if device.type == "cuda":
-                needed = workspace_bytes(world_size, max_tokens, hidden_size, dtype)
-                free, _ = torch.cuda.mem_get_info(device)
-                if free < needed:
-                    error = f"{needed / 2**20:.0f} MiB needed for the workspace, {free / 2**20:.0f} MiB free"
-                    return self._kernels, None, error
-            zero_residual = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)
-            return self._kernels, zero_residual, None
-        except Exception as exc:  # noqa: BLE001 - reported through the agreement round
-            return self._kernels, None, f"{type(exc).__name__}: {exc}"
+        def mine(key: WorkspaceKey) -> bool:
+            return group is None or key[0] == group.group_name
 
-    def _destroy_one(self, workspace: FusionWorkspace, group: dist.ProcessGroup) -> None:
-        del self._ready[workspace.key]
-        self._kernels.destroy_workspace(workspace.handle, group)
+        doomed = [w for w in self._retired if mine(w.key)] + [w for k, w in self._ready.items() if mine(k)]
+        pinned = [w for w in doomed if w.captured]
+        if pinned and not graphs_released:
+            raise RuntimeError(
+                f"{len(pinned)} fused all-reduce + RMSNorm {self.name} workspace(s) were used while capturing CUDA "
+                "graphs; destroy those graphs first, then call fxfuse.destroy_workspaces(group, graphs_released=True)"
+            )
+        for workspace in doomed:
+            resolved = group or dist.distributed_c10d._resolve_process_group(workspace.key[0])
+            self.kernels.destroy_workspace(workspace.handle, resolved)
+        self._retired = [w for w in self._retired if not mine(w.key)]
+        self._ready = {k: w for k, w in self._ready.items() if not mine(k)}
+        self._failed = {k: r for k, r in self._failed.items() if not mine(k)}
+
+    def release_all(self, wait_s: float = EXIT_WAIT_S) -> None:
+        """At exit: free every workspace locally once this GPU is idle; never talks to peers or hangs."""
+        workspaces = self._retired + list(self._ready.values())
+        if not workspaces:
+            return
+        if not self._device_idle(wait_s):
+            print(
+                f"fxfuse: the GPU still runs work {wait_s:.0f} s into interpreter exit (a peer rank probably died "
+                f"inside a fused all-reduce); leaving {len(workspaces)} {self.name} workspace(s) to process teardown",
+                file=sys.stderr,
+            )
+        else:
+            for workspace in workspaces:
+                try:
+                    self.kernels.release_workspace(workspace.handle)
+                except Exception:  # noqa: BLE001 - best effort at interpreter exit
+                    logger.debug("releasing workspace %s failed", workspace.key, exc_info=True)
+        self._ready.clear()
+        self._retired.clear()
+
+    def _check_here(self, world_size: int, max_tokens: int, hidden_size: int, dtype: torch.dtype) -> str | None:
+        """Round 1, local part: load the kernels and check free memory; the error, or None."""
+        try:
+            self.kernels.load()
+            needed = self._bytes_needed(world_size, max_tokens, hidden_size, dtype)
+            if torch.cuda.is_available():
+                free, _ = torch.cuda.mem_get_info()
+                if free < needed:
+                    return f"{needed / 2**20:.0f} MiB needed for the workspace, {free / 2**20:.0f} MiB free"
+            return None
+        except Exception as exc:  # noqa: BLE001 - reported through the agreement round
+            return f"{type(exc).__name__}: {exc}"
 
     def _mark_failed(self, key: WorkspaceKey, reason: str) -> None:
         self._failed[key] = reason
         logger.warning(
-            "fused all-reduce + RMSNorm disabled for group %s, hidden %d, %s on all ranks (%s); "
-            "using the NCCL fallback", *key, reason,
+            "fused all-reduce + RMSNorm %s workspace unavailable for group %s, hidden %d, %s on all ranks (%s); "
+            "those calls run NCCL + the fused norm", self.name, *key, reason,
         )
         return None
 
@@ -244,3 +242,25 @@ class WorkspaceRegistry:
         if not self._exit_hook_installed:
             atexit.register(self.release_all)
             self._exit_hook_installed = True
+
+
+def workspace_bytes(world_size: int, max_tokens: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """Device memory one rank allocates for a TensorRT-LLM workspace: the kernel's buffers (one
+    two-shot buffer and three Lamport buffers of world_size * tokens * hidden 16-bit elements, plus
+    flags, each rounded up to 2 MiB) and the all-zero residual for calls without one."""
+    return trtllm_layout(world_size, max_tokens, hidden_size).total_bytes + max_tokens * hidden_size * dtype.itemsize
+
+
+def _cuda_device_idle(timeout_s: float) -> bool:
+    """True once the current stream (where the fused op's kernels run) finished its queued work, False
+    after `timeout_s` seconds (without blocking the host in a synchronize that may never return)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return True
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream())
+    deadline = time.monotonic() + timeout_s
+    while not event.query():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

@@ -3,7 +3,8 @@
 `run_on_ranks(fn, world_size, ...)` starts `world_size` processes, initializes a process group in
 each (gloo on CPU, NCCL on CUDA), calls `fn(ctx, *args)` with that rank's `ParallelContext`, and
 returns every rank's result in rank order. A rank that raises makes the whole call raise with that
-rank's traceback, and the other ranks are stopped, so a failure never turns into a hang.
+rank's traceback, and the other ranks are stopped, so a failure never turns into a hang; so does a
+rank that has not finished `timeout_s` seconds after the start (the error names the ranks that hung).
 Under torchrun (RANK/WORLD_SIZE set) it joins the existing launch instead of spawning.
 """
 
@@ -93,7 +94,8 @@ def run_on_ranks(
     """Call `fn(ctx, *args)` on `world_size` ranks and return the results in rank order.
 
     `fn` must be picklable (a module-level function) and return picklable values (tensors are
-    copied back, not shared). Under torchrun
+    copied back, not shared). `timeout_s` bounds both the process group's collectives and the whole
+    call: ranks still running after it are killed and `RankFailed` names them. Under torchrun
     the current process is one rank: it runs `fn` once and returns a one-element list with its
     own result (only rank 0 needs to report). Raises `RankFailed` if any rank raised.
     """
@@ -113,9 +115,16 @@ def run_on_ranks(
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
     try:
         while len(results) < world_size:
-            report = _next_report(queue, procs, results)
+            report = _next_report(queue, procs, results, deadline)
+            if report == "timeout":
+                hung = [r for r in range(world_size) if r not in results]
+                raise RankFailed(
+                    f"rank(s) {hung} did not finish within {timeout_s:.0f} s (hung? ranks {sorted(results)} finished)",
+                    hung[0], f"TimeoutError: rank(s) {hung} still running after {timeout_s:.0f} s",
+                )
             if report is None:
                 codes = {r: p.exitcode for r, p in enumerate(procs)}
                 raise RankFailed(f"a rank exited without reporting a result (exit codes by rank: {codes})")
@@ -132,11 +141,14 @@ def run_on_ranks(
     return [results[r] for r in range(world_size)]
 
 
-def _next_report(queue, procs, reported: dict[int, Any], poll_s: float = 0.05):
-    """Next (rank, ok, payload) from the queue, or None once a rank died without reporting."""
+def _next_report(queue, procs, reported: dict[int, Any], deadline: float, poll_s: float = 0.05):
+    """Next (rank, ok, payload) from the queue, None once a rank died without reporting, or "timeout"
+    once `deadline` (time.monotonic) has passed."""
     while True:
         if not queue.empty():
             return queue.get()
+        if time.monotonic() > deadline:
+            return "timeout"
         dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in reported]
         if dead:
             time.sleep(0.5)  # a rank that reported just before exiting: let its message land

@@ -1,0 +1,98 @@
+"""The fused op's public lifecycle calls: `fxfuse.prepare`, `fxfuse.destroy_workspaces`, `fusion_stats`.
+
+`prepare(group, hidden_size, dtype, max_tokens)` is what a CUDA-graph user calls on every rank before
+capturing: the ranks agree on settings and topology, create the workspaces the decision table will
+pick for 1..max_tokens tokens, resolve launch configurations and compile the fused norm kernel, so
+that nothing inside a capture needs a collective, an allocation or a compile. `destroy_workspaces`
+frees them (collective), refusing to free workspaces that captured graphs may still use unless told
+those graphs are gone. `forced_plan` builds one implementation's plan regardless of the table (for
+benchmarks and tests that time or check a specific kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fxfuse.op.add_rmsnorm_kernel import add_rmsnorm_into
+from fxfuse.op.cuda_dispatch import (
+    PCIE,
+    TRTLLM,
+    CallPlan,
+    NcclPlan,
+    PciePlan,
+    TrtllmPlan,
+    ensure_workspace,
+    forget_plans,
+    fusion_stats,
+    group_config,
+    problem_for,
+    reset_fusion_stats,
+)
+from fxfuse.op.modes import FusionMode
+from fxfuse.op.policy import FusionDecision, decide
+
+__all__ = ["destroy_workspaces", "forced_plan", "fusion_stats", "prepare", "reset_fusion_stats"]
+
+
+def prepare(
+    group: dist.ProcessGroup | None, hidden_size: int, dtype: torch.dtype, max_tokens: int | None = None
+) -> bool:
+    """Make the fused op ready for (group, hidden_size, dtype) up to `max_tokens` tokens; True if a fused
+    all-reduce (TensorRT-LLM or PCIe) will run for some of those token counts.
+
+    Collective: every rank of `group` (None: the world group) calls it with the same arguments,
+    outside CUDA-graph capture and before capturing graphs that contain the op. `max_tokens` (default
+    $FXFUSE_MAX_TOKENS or 512) bounds the workspaces; larger calls run NCCL + the fused norm. Raises
+    `fxfuse.op.agreement.ConfigMismatch` on every rank if the ranks' settings, thresholds, tuning
+    files, FlashInfer versions or GPU models differ. Calling it again with more tokens makes new
+    workspaces and keeps the old ones alive for graphs captured with them.
+    """
+    group = group if group is not None else dist.group.WORLD
+    config = group_config(group)
+    max_tokens = max_tokens or config.settings.max_tokens
+    entry = config.thresholds.lookup(config.gpu, config.world_size, hidden_size, dtype, config.topology.value)
+    wanted = {
+        decide(problem_for(config, tokens, hidden_size, dtype, dtype, dtype, max_tokens), config.settings, entry).mode
+        for tokens in range(1, max_tokens + 1)
+    }
+    kinds = {FusionMode.ONESHOT if m.trtllm else m for m in wanted if m is not FusionMode.FALLBACK}
+    ready = [ensure_workspace(config, group, kind, hidden_size, dtype, max_tokens) is not None for kind in sorted(kinds)]
+    forget_plans(group.group_name)
+    _compile_norm_kernel(hidden_size, dtype)
+    return any(ready)
+
+
+def _compile_norm_kernel(hidden_size: int, dtype: torch.dtype) -> None:
+    """Compile the fused add-RMSNorm kernel for this row width and dtype (with and without a residual)
+    now, so a first call during CUDA-graph capture does not compile."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    row = torch.ones(1, hidden_size, dtype=dtype, device=device)
+    for residual in (row, None):
+        add_rmsnorm_into(row, residual, row[0], 1e-6, torch.empty_like(row), torch.empty_like(row))
+
+
+def destroy_workspaces(group: dist.ProcessGroup | None = None, graphs_released: bool = False) -> None:
+    """Free the fused op's workspaces of `group` (all if None); collective over each group.
+
+    Call it on every rank before `dist.destroy_process_group`. Raises RuntimeError (freeing nothing)
+    if a workspace was used while capturing a CUDA graph, unless `graphs_released=True` says those
+    graphs were destroyed: replaying one after the free would write through freed memory. Workspaces
+    not freed this way are released locally at interpreter exit.
+    """
+    for registry in (TRTLLM, PCIE):
+        registry.destroy(group, graphs_released)
+    forget_plans(None if group is None else group.group_name)
+
+
+def forced_plan(group: dist.ProcessGroup, mode: FusionMode, hidden_size: int, dtype: torch.dtype, max_tokens: int) -> CallPlan | None:
+    """A plan that runs `mode` for every call it gets (creating its workspace collectively), or None
+    if that implementation cannot run here. Call it with `(x, residual, weight, eps, x_donated)`."""
+    config = group_config(group)
+    decision = FusionDecision(mode, "forced by the caller")
+    if mode is FusionMode.FALLBACK:
+        return NcclPlan(group.group_name, decision)
+    workspace = ensure_workspace(config, group, mode, hidden_size, dtype, max_tokens)
+    if workspace is None:
+        return None
+    return (PciePlan if mode is FusionMode.PCIE else TrtllmPlan)(group.group_name, decision, workspace)

@@ -1,0 +1,103 @@
+"""The user's settings for the fused op, read from the environment once per process.
+
+Every rank of a group must use the same settings: `fxfuse.op.group_config` exchanges them once per
+group, outside CUDA-graph capture, and raises the same error on every rank when they differ.
+
+Environment variables:
+- `FXFUSE_FUSION`: `auto` (default: the decision table picks), `oneshot` / `twoshot` (force that
+  algorithm of FlashInfer's TensorRT-LLM kernel wherever it can run at all, whatever the topology:
+  the explicit opt-in for PCIe or NVLink-bridge groups), `pcie` (force FlashInfer's PCIe all-reduce
+  where it can run), `off` (never fused: NCCL all-reduce + the fused add-RMSNorm kernel).
+- `FXFUSE_MAX_TOKENS`: token capacity of workspaces created implicitly (default 512).
+- `FXFUSE_TOPOLOGY`: `auto` (default: detected) or `nvswitch` / `nvlink` / `pcie` / `none`.
+- `FXFUSE_PCIE_PROFILE`: FlashInfer PCIe interconnect label (`rootcplx` or `pcieswitch`), instead
+  of FlashInfer's own probe.
+- `FXFUSE_PCIE_TUNE_CACHE`: the file FlashInfer's PCIe all-reduce reads its tuned launch
+  configurations from (written by `fxfuse tune pcie`); default: FlashInfer's own path.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+from fxfuse.op.modes import FusionMode
+from fxfuse.op.topology import Topology
+
+#: Workspace size (tokens) when a workspace is created implicitly on first call.
+DEFAULT_MAX_TOKENS = 512
+
+ENV_FUSION = "FXFUSE_FUSION"
+ENV_MAX_TOKENS = "FXFUSE_MAX_TOKENS"
+ENV_TOPOLOGY = "FXFUSE_TOPOLOGY"
+ENV_PCIE_PROFILE = "FXFUSE_PCIE_PROFILE"
+ENV_PCIE_TUNE_CACHE = "FXFUSE_PCIE_TUNE_CACHE"
+
+FUSION_CHOICES = ("auto", "oneshot", "twoshot", "pcie", "off")
+PCIE_PROFILES = ("rootcplx", "pcieswitch")
+
+
+@dataclass(frozen=True)
+class FusionSettings:
+    """User choices that steer the decision; they must be identical on all ranks.
+
+    `enabled` False always runs NCCL + the fused norm. `force_mode` (one-shot, two-shot or PCIe)
+    overrides the thresholds table, the topology and FlashInfer's heuristic wherever that
+    implementation can run. `max_tokens` sizes a workspace created implicitly on first call.
+    `topology` replaces the detected topology when set. `pcie_profile` and `pcie_tune_cache` are
+    handed to FlashInfer's PCIe workspace.
+    """
+
+    enabled: bool = True
+    force_mode: FusionMode | None = None
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    topology: Topology | None = None
+    pcie_profile: str | None = None
+    pcie_tune_cache: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.force_mode is FusionMode.FALLBACK:
+            raise ValueError("force_mode must be oneshot, twoshot or pcie; use enabled=False to always fall back")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
+        if self.pcie_profile is not None and self.pcie_profile not in PCIE_PROFILES:
+            raise ValueError(f"pcie_profile must be one of {PCIE_PROFILES}, got {self.pcie_profile!r}")
+
+
+def settings_from_env(environ: Mapping[str, str]) -> FusionSettings:
+    """Settings from the FXFUSE_* variables (see the module docstring).
+
+    Raises ValueError naming the variable when a value is not understood.
+    """
+    fusion = environ.get(ENV_FUSION, "auto").strip().lower()
+    if fusion not in FUSION_CHOICES:
+        raise ValueError(f"{ENV_FUSION}={fusion!r}: expected one of {', '.join(FUSION_CHOICES)}")
+    raw_tokens = environ.get(ENV_MAX_TOKENS, str(DEFAULT_MAX_TOKENS))
+    try:
+        max_tokens = int(raw_tokens)
+    except ValueError:
+        max_tokens = 0
+    if max_tokens < 1:
+        raise ValueError(f"{ENV_MAX_TOKENS}={raw_tokens!r}: expected a positive integer")
+    topology = environ.get(ENV_TOPOLOGY, "auto").strip().lower()
+    if topology != "auto" and topology not in {t.value for t in Topology}:
+        raise ValueError(f"{ENV_TOPOLOGY}={topology!r}: expected auto, {', '.join(t.value for t in Topology)}")
+    profile = environ.get(ENV_PCIE_PROFILE, "").strip().lower() or None
+    if profile is not None and profile not in PCIE_PROFILES:
+        raise ValueError(f"{ENV_PCIE_PROFILE}={profile!r}: expected one of {', '.join(PCIE_PROFILES)}")
+    return FusionSettings(
+        enabled=fusion != "off",
+        force_mode=FusionMode(fusion) if fusion in ("oneshot", "twoshot", "pcie") else None,
+        max_tokens=max_tokens,
+        topology=None if topology == "auto" else Topology(topology),
+        pcie_profile=profile,
+        pcie_tune_cache=environ.get(ENV_PCIE_TUNE_CACHE) or None,
+    )
+
+
+@functools.cache
+def current_settings() -> FusionSettings:
+    """This process's settings, from its environment (read once)."""
+    return settings_from_env(os.environ)
