@@ -109,17 +109,23 @@ class FxfuseBackend:
     inner: "inductor" (default) or "eager" (no code generation: fast, for tests).
     patterns: names from `fxfuse.passes.config.PATTERNS` to enable (all by default).
     dump_dir: if set, each pass run writes `graph_<n>[_rank<r>].{before,after,diff}.txt` there.
+    fuse_without_fast_kernel: also fuse CUDA sites where no fused all-reduce kernel can run (by default
+    Inductor keeps those, see `fxfuse.op.capability`; the op's fallback benchmarks turn this on).
     After compiling, `records` holds one `CompileRecord` per pass run, in order. With Inductor, the
     passes take the `post_grad_custom_post_pass` slot of Inductor's config for these compiles.
     """
 
     def __init__(
-        self, inner: str = "inductor", patterns: Iterable[str] = PATTERNS, dump_dir: str | os.PathLike | None = None
+        self,
+        inner: str = "inductor",
+        patterns: Iterable[str] = PATTERNS,
+        dump_dir: str | os.PathLike | None = None,
+        fuse_without_fast_kernel: bool = False,
     ) -> None:
         if inner not in INNER_COMPILERS:
             raise ValueError(f"unknown inner compiler {inner!r}; choose one of {INNER_COMPILERS}")
         self.inner = inner
-        self.config = PassConfig(frozenset(patterns))
+        self.config = PassConfig(frozenset(patterns), fuse_without_fast_kernel)
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
         self.records: list[CompileRecord] = []
 

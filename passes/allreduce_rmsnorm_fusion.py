@@ -30,6 +30,7 @@ import warnings
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.fx
 import torch.nn.functional as F
 from torch._inductor.pattern_matcher import (
@@ -43,6 +44,7 @@ from torch._inductor.pattern_matcher import (
 )
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from fxfuse.op.capability import fused_kernel_unavailable
 from fxfuse.op.schema import FUSED_OPS, allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps
 from fxfuse.passes.config import ALLREDUCE_RESIDUAL_RMSNORM, ALLREDUCE_RMSNORM, PassConfig
 from fxfuse.passes.pattern_support import (
@@ -168,22 +170,24 @@ def _matched_eps(match: Match) -> float | torch.Tensor | None:
     return matched_tensor(match, "eps")
 
 
-def fusible_site(match: Match, with_residual: bool) -> bool:
-    """extra_check: the matched site is one the fused op reproduces (`site_refusal` is None).
+def kernel_refusal(x: torch.Tensor, group_name: str) -> str | None:
+    """Why no fused all-reduce kernel can ever run this site (so Inductor keeps it), or None."""
+    world_size = dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
+    return fused_kernel_unavailable(x.device.type, x.dtype, world_size)
+
+
+def fusible_site(match: Match, with_residual: bool, kernel_group: str | None = None) -> bool:
+    """extra_check: the matched site is one the fused op reproduces (`site_refusal` is None) and, when
+    `kernel_group` names the site's group, one where a fused all-reduce kernel can run (`kernel_refusal`).
 
     `with_residual` says which pattern matched (1: True, 2: False): it is not read from the match,
     whose arguments can be pattern literals on some torch versions (a scalar "residual" among them).
     """
-    return (
-        site_refusal(
-            matched_tensor(match, "x"),
-            matched_tensor(match, "weight"),
-            _matched_eps(match),
-            matched_tensor(match, "residual"),
-            with_residual,
-        )
-        is None
-    )
+    x = matched_tensor(match, "x")
+    refusal = site_refusal(x, matched_tensor(match, "weight"), _matched_eps(match), matched_tensor(match, "residual"), with_residual)
+    if refusal is None and kernel_group is not None:
+        refusal = kernel_refusal(x, kernel_group)
+    return refusal is None
 
 
 def fused_call(x, residual, weight, eps, group_name: str):
@@ -194,7 +198,8 @@ def fused_call(x, residual, weight, eps, group_name: str):
 
 
 def _register(
-    pass_: PatternMatcherPass, search: Callable, replacement: Callable, examples: list[torch.Tensor], with_residual: bool
+    pass_: PatternMatcherPass, search: Callable, replacement: Callable, examples: list[torch.Tensor], with_residual: bool,
+    kernel_group: str | None,
 ) -> None:
     """Trace `search` -> `replacement` into `pass_`, checked by `fusible_site`, eps bound per site."""
     register_replacement(
@@ -203,12 +208,14 @@ def _register(
         examples,
         trace_functional,
         pass_,
-        extra_check=functools.partial(fusible_site, with_residual=with_residual),
+        extra_check=functools.partial(fusible_site, with_residual=with_residual, kernel_group=kernel_group),
         scalar_workaround={"eps": EPS_PLACEHOLDER},
     )
 
 
-def _register_residual_patterns(pass_: PatternMatcherPass, group_name: str, norm: RMSNorm, dtype: torch.dtype) -> None:
+def _register_residual_patterns(
+    pass_: PatternMatcherPass, group_name: str, norm: RMSNorm, dtype: torch.dtype, kernel_group: str | None
+) -> None:
     """Register pattern 1 for one norm spelling and dtype, with the residual on either side of `+`."""
 
     def fused(x, residual, weight, eps):
@@ -223,11 +230,13 @@ def _register_residual_patterns(pass_: PatternMatcherPass, group_name: str, norm
         return norm(hidden, weight, eps), hidden
 
     examples = [example_tensor(4, 16, dtype=dtype), example_tensor(4, 16, dtype=dtype), example_tensor(16, dtype=dtype)]
-    _register(pass_, reduced_plus_residual, fused, examples, with_residual=True)
-    _register(pass_, residual_plus_reduced, fused, examples, with_residual=True)
+    _register(pass_, reduced_plus_residual, fused, examples, True, kernel_group)
+    _register(pass_, residual_plus_reduced, fused, examples, True, kernel_group)
 
 
-def _register_plain_pattern(pass_: PatternMatcherPass, group_name: str, norm: RMSNorm, dtype: torch.dtype) -> None:
+def _register_plain_pattern(
+    pass_: PatternMatcherPass, group_name: str, norm: RMSNorm, dtype: torch.dtype, kernel_group: str | None
+) -> None:
     """Register pattern 2 (no residual) for one norm spelling and dtype."""
 
     def fused(x, weight, eps):
@@ -238,19 +247,23 @@ def _register_plain_pattern(pass_: PatternMatcherPass, group_name: str, norm: RM
         return norm(reduced, weight, eps), reduced
 
     examples = [example_tensor(4, 16, dtype=dtype), example_tensor(16, dtype=dtype)]
-    _register(pass_, reduced_into_norm, fused, examples, with_residual=False)
+    _register(pass_, reduced_into_norm, fused, examples, False, kernel_group)
 
 
 @functools.cache
-def fusion_patterns(group_name: str, patterns: frozenset[str]) -> PatternMatcherPass:
-    """The traced patterns 1 and/or 2 (as named in `patterns`) for one process group, built once."""
+def fusion_patterns(group_name: str, patterns: frozenset[str], fuse_without_fast_kernel: bool = False) -> PatternMatcherPass:
+    """The traced patterns 1 and/or 2 (as named in `patterns`) for one process group, built once.
+
+    Unless `fuse_without_fast_kernel`, sites where no fused all-reduce kernel can run are refused.
+    """
     pass_ = PatternMatcherPass()
+    kernel_group = None if fuse_without_fast_kernel else group_name
     for dtype, norms in RMSNORM_SPELLINGS.items():
         for norm in norms:
             if ALLREDUCE_RESIDUAL_RMSNORM in patterns:
-                _register_residual_patterns(pass_, group_name, norm, dtype)
+                _register_residual_patterns(pass_, group_name, norm, dtype, kernel_group)
             if ALLREDUCE_RMSNORM in patterns:
-                _register_plain_pattern(pass_, group_name, norm, dtype)
+                _register_plain_pattern(pass_, group_name, norm, dtype, kernel_group)
     return pass_
 
 
@@ -270,7 +283,8 @@ def run(graph: torch.fx.Graph, config: PassConfig) -> int:
     patterns = enabled_patterns(config)
     if not patterns:
         return 0
-    fused = sum(fusion_patterns(group, patterns).apply(graph) for group in sum_allreduce_groups(graph))
+    fused = sum(fusion_patterns(group, patterns, config.fuse_without_fast_kernel).apply(graph)
+                for group in sum_allreduce_groups(graph))
     if fused:
         stable_topological_sort(graph)
         _erase_unused_outputs(graph)
@@ -362,6 +376,8 @@ def explain_unfused(all_reduce: torch.fx.Node, config: PassConfig) -> str:
         eps = norm.kwargs.get("eps")
         eps = eps if isinstance(eps, float) else _val(eps)
         refusal = site_refusal(x, _val(norm.kwargs.get("weight")), eps, _val(residual), with_residual)
+        if refusal is None and not config.fuse_without_fast_kernel:
+            refusal = kernel_refusal(x, all_reduce.args[2])
         if refusal is None and with_residual and len(reduced.users) > 1:
             refusal = "the all-reduced value is also used apart from the residual add"
         refusals.append(refusal or "a value inside the all-reduce -> add -> RMSNorm chain is also used elsewhere")

@@ -33,7 +33,8 @@ def fused_kernel_unavailable(device_type: str, dtype: torch.dtype, world_size: i
         return f"no fused all-reduce kernel on this machine ({features.why_not}), so Inductor keeps its own code"
     if dtype not in SUPPORTED_DTYPES:
         return f"{str(dtype).removeprefix('torch.')} activations: the fused all-reduce kernels take bfloat16 or float16"
-    trtllm_arch = torch.cuda.is_available() and features.trtllm_arch_supported(_sm())
+    sm = _sm()
+    trtllm_arch = sm is not None and features.trtllm_arch_supported(sm)
     trtllm = trtllm_arch and world_size in TRTLLM_WORLD_SIZES
     pcie = features.pcie and world_size in PCIE_WORLD_SIZES
     if not (trtllm or pcie):
@@ -42,6 +43,9 @@ def fused_kernel_unavailable(device_type: str, dtype: torch.dtype, world_size: i
     return None
 
 
-def _sm() -> int:
+def _sm() -> int | None:
+    """This process's GPU arch as an integer (90 for 9.0), None without a GPU (fake CUDA tensors)."""
+    if not torch.cuda.is_available():
+        return None
     major, minor = torch.cuda.get_device_capability()
     return major * 10 + minor

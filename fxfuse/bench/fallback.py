@@ -1,0 +1,236 @@
+"""`fxfuse bench fallback`: the fused op's NCCL fallback against the unfused graph Inductor compiles, on one GPU.
+
+Where no fused all-reduce runs (a one-rank NCCL group here, tokens above a workspace, a machine
+without one), the fused op must cost no more than what it replaced. This benchmark compiles the same
+block twice, `x = 2 * input` (a producer whose output is dead after the all-reduce, as a matmul's
+is), `funcol.all_reduce(x) + residual`, then a transformers-style RMSNorm, bf16:
+- `inductor`: `torch.compile(backend="inductor")`: NCCL all-reduce re-inplaced into x, then
+  Inductor's own add-RMSNorm kernel;
+- `fallback`: `torch.compile(backend=FxfuseBackend(fuse_without_fast_kernel=True))`: the same
+  graph with the site fused, so the fused op runs its NCCL plan (all-reduce in the donated x, then
+  the fused add-RMSNorm kernel).
+Both are captured in CUDA graphs of `--iters` calls and replayed in interleaved rounds; each point
+reports the median (and p25/p75) over `--repeats` samples in microseconds per call, and the ratio
+fallback / inductor. It also measures the host cost per call outside CUDA graphs (wall time of
+`--host-calls` back-to-back uncaptured calls at 1 token, where the GPU work is smallest) and checks
+both variants against an fp32 reference. One process, one GPU, NCCL with one rank: the numbers say
+what the fallback costs, not what fusing saves (that needs two or more GPUs).
+
+Writes bench/results/fallback_<gpu>_<stamp>.json (fields gpu, world_size, versions, date, command,
+fallback_vs_inductor: [{tokens, hidden, fallback_us, inductor_us, ratio, ...}], host_cost) and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+from fxfuse.bench.output import package_versions, publish, relative_l2_error, write_result_files
+from fxfuse.runner.launch import run_on_ranks
+
+DEFAULT_TOKENS = tuple(2**i for i in range(13))  # 1 .. 4096
+DEFAULT_HIDDEN = (7168, 4096)
+EPS = 1e-6
+TOLERANCE = 2e-2  # relative L2 error vs fp32; bf16 rounding alone gives about 3e-3
+
+
+def block(inp: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, group_name: str):
+    """Producer, all-reduce, residual add, RMSNorm (float32 upcast, weight after the cast back)."""
+    x = inp * 2
+    hidden = funcol.all_reduce(x, "sum", group_name) + residual
+    h = hidden.float()
+    normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(hidden.dtype)
+    return weight * normed, hidden
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parse `fxfuse bench fallback` arguments."""
+    p = argparse.ArgumentParser(prog="fxfuse bench fallback", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma-separated token counts")
+    p.add_argument("--hidden", default=",".join(map(str, DEFAULT_HIDDEN)), help="comma-separated hidden sizes")
+    p.add_argument("--repeats", type=int, default=30, help="timing samples per point and variant")
+    p.add_argument("--iters", type=int, default=20, help="calls captured in one CUDA graph")
+    p.add_argument("--host-calls", type=int, default=200, help="uncaptured calls timed for the host cost")
+    p.add_argument("--out-dir", type=Path, default=Path("bench/results"), help="where result files go")
+    args = p.parse_args(argv)
+    try:
+        args.tokens = tuple(int(t) for t in args.tokens.split(","))
+        args.hidden = tuple(int(h) for h in args.hidden.split(","))
+    except ValueError:
+        p.error("--tokens and --hidden take comma-separated integers")
+    if min(args.tokens + args.hidden) < 1 or min(args.repeats, args.iters, args.host_calls) < 1:
+        p.error("every count must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark on one GPU, write its files, return the exit status."""
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("fxfuse: error: fxfuse bench fallback needs a CUDA GPU", file=sys.stderr)
+        return 2
+    report = run_on_ranks(bench_rank, 1, vars(args) | {"out_dir": str(args.out_dir)}, device="cuda", timeout_s=1800)[0]
+    publish(report, "fallback", argv, lambda r: write_result_files(
+        args.out_dir / file_stem(r), r, markdown(r), lambda path: False), markdown)
+    if report["max_rel_err"] > TOLERANCE:
+        print(f"FAILED: relative error {report['max_rel_err']:.2e} above {TOLERANCE:.0e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def file_stem(report: dict) -> str:
+    """fallback_<gpu>_<stamp>."""
+    return f"fallback_{re.sub(r'[^a-z0-9]+', '-', report['gpu'].lower()).strip('-')}_{report['stamp']}"
+
+
+@torch.no_grad()
+def bench_rank(ctx, options: dict) -> dict:
+    """Compile both variants per hidden size, check them, and time every token count."""
+    import fxfuse
+    from fxfuse.backend import FxfuseBackend
+    from fxfuse.op.cuda_dispatch import fusion_stats
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    group_name = ctx.group.group_name
+    rows, host_rows, errors = [], [], []
+    for hidden in options["hidden"]:
+        fxfuse.prepare(ctx.group, hidden, torch.bfloat16, max(options["tokens"]))
+        backend = FxfuseBackend(fuse_without_fast_kernel=True)
+        torch._dynamo.reset()
+        variants = {
+            "inductor": torch.compile(block, backend="inductor", fullgraph=True, dynamic=True),
+            "fallback": torch.compile(block, backend=backend, fullgraph=True, dynamic=True),
+        }
+        for tokens in options["tokens"]:
+            inputs = _inputs(tokens, hidden, device)
+            reference = _fp32_reference(*inputs)
+            for name, fn in variants.items():
+                out = fn(*inputs, group_name)
+                errors.append(max(relative_l2_error(o, r) for o, r in zip(out, reference)))
+            if backend.records[-1].stats.fused != 1:
+                raise RuntimeError(f"the fxfuse variant did not fuse its site: {backend.records[-1].stats}")
+            rows.append({"tokens": tokens, "hidden": hidden, **_time_point(variants, inputs, group_name, options)})
+            if tokens == 1:
+                host_rows.append({"tokens": 1, "hidden": hidden, **_host_cost(variants, inputs, group_name, options["host_calls"])})
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return {
+        "benchmark": "fxfuse bench fallback",
+        "date": now.isoformat(timespec="seconds"),
+        "stamp": now.strftime("%Y%m%d-%H%M%S"),
+        "command": "",
+        "gpu": torch.cuda.get_device_name(),
+        "world_size": ctx.world_size,
+        "versions": package_versions(("triton", "flashinfer-python")) | {"nccl": ".".join(map(str, torch.cuda.nccl.version()))},
+        "dtype": "bfloat16",
+        "iters": options["iters"],
+        "repeats": options["repeats"],
+        "max_rel_err": max(errors),
+        "fallback_calls": {k: v for k, v in fusion_stats()["fallback"].items()},
+        "fallback_vs_inductor": rows,
+        "host_cost": host_rows,
+    }
+
+
+def _inputs(tokens: int, hidden: int, device: torch.device):
+    g = torch.Generator(device="cpu").manual_seed(tokens * 7 + hidden)
+    inp = torch.randn(tokens, hidden, generator=g).to(device, torch.bfloat16)
+    residual = torch.randn(tokens, hidden, generator=g).to(device, torch.bfloat16)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(device, torch.bfloat16)
+    return inp, residual, weight
+
+
+def _fp32_reference(inp, residual, weight):
+    hidden = 2 * inp.float() + residual.float()
+    return hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + EPS) * weight.float(), hidden
+
+
+def _time_point(variants: dict, inputs, group_name: str, options: dict) -> dict:
+    """Medians (and quartiles) of CUDA-graph replays of `iters` calls, variants interleaved per round."""
+    graphs = {}
+    for name, fn in variants.items():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn(*inputs, group_name)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(options["iters"]):
+                fn(*inputs, group_name)
+        graphs[name] = graph
+    samples = {name: [] for name in graphs}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for graph in graphs.values():
+        graph.replay()
+    torch.cuda.synchronize()
+    for _ in range(options["repeats"]):
+        for name, graph in graphs.items():
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            samples[name].append(start.elapsed_time(end) * 1000 / options["iters"])
+    del graphs
+    out = {}
+    for name, values in samples.items():
+        q1, median, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
+        out.update({f"{name}_us": statistics.median(values), f"{name}_p25": q1, f"{name}_p75": q3})
+    out["ratio"] = out["fallback_us"] / out["inductor_us"]
+    return out
+
+
+def _host_cost(variants: dict, inputs, group_name: str, calls: int) -> dict:
+    """Wall microseconds per uncaptured call, `calls` back to back (the GPU work is tiny at 1 token)."""
+    out = {}
+    for name, fn in variants.items():
+        for _ in range(10):
+            fn(*inputs, group_name)
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(5):
+            began = time.perf_counter()
+            for _ in range(calls):
+                fn(*inputs, group_name)
+            torch.cuda.synchronize()
+            samples.append((time.perf_counter() - began) * 1e6 / calls)
+        out[f"{name}_host_us"] = statistics.median(samples)
+    out["ratio"] = out["fallback_host_us"] / out["inductor_host_us"]
+    return out
+
+
+def markdown(report: dict) -> str:
+    """The report as a markdown table."""
+    lines = [
+        f"# fxfuse bench fallback: {report['gpu']}, one-rank NCCL group, {report['dtype']}",
+        "",
+        f"- date: {report['date']}",
+        f"- command: `{report['command']}`",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
+        f"- timing: CUDA-graph replay of {report['iters']} calls, median (p25-p75) of {report['repeats']} samples, "
+        "microseconds per call; variants interleaved",
+        f"- correctness: max relative L2 error vs fp32 {report['max_rel_err']:.2e}",
+        "",
+        "| hidden | tokens | Inductor us | fxfuse fallback us | ratio |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["fallback_vs_inductor"]:
+        lines.append(f"| {r['hidden']} | {r['tokens']} | {r['inductor_us']:.2f} ({r['inductor_p25']:.2f}-{r['inductor_p75']:.2f}) "
+                     f"| {r['fallback_us']:.2f} ({r['fallback_p25']:.2f}-{r['fallback_p75']:.2f}) | {r['ratio']:.3f} |")
+    lines += ["", "Host cost per uncaptured call (1 token):", "", "| hidden | Inductor us | fxfuse us | ratio |", "|---:|---:|---:|---:|"]
+    for r in report["host_cost"]:
+        lines.append(f"| {r['hidden']} | {r['inductor_host_us']:.1f} | {r['fallback_host_us']:.1f} | {r['ratio']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

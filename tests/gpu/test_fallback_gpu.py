@@ -1,0 +1,135 @@
+"""GPU tests of the fused op's fallback (no FlashInfer needed): the Triton add-RMSNorm kernel against the
+reference arithmetic, and the op on a one-rank NCCL group (where it always takes its NCCL plan),
+eagerly, donated, and captured in a CUDA graph replayed on fresh input; plus a block compiled by
+Inductor with the site fused, whose Inductor code donates the producer's buffer, under CUDA graphs.
+Run with `pytest -m gpu tests/gpu`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from flashinfer_gpu import CUDA_GPU_MARKS, EPS, inputs, reference, rel_errs
+
+from fxfuse.runner.launch import run_on_ranks
+
+pytestmark = CUDA_GPU_MARKS
+TOLERANCE = 1e-2  # relative L2 vs fp32; bf16 rounding alone gives about 3e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("hidden", [100, 256, 4096, 5120, 7168, 16384])
+def test_triton_add_rmsnorm_matches_the_reference_arithmetic(dtype, hidden):
+    from fxfuse.op.add_rmsnorm_kernel import add_rmsnorm_into
+    from fxfuse.op.reference import add_rmsnorm
+
+    for tokens in (1, 7, 300):
+        g = torch.Generator(device="cuda").manual_seed(tokens + hidden)
+        x = torch.randn(tokens, hidden, device="cuda", generator=g).to(dtype)
+        residual = torch.randn(tokens, hidden, device="cuda", generator=g).to(dtype)
+        weight = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=g)).to(dtype)
+        for res in (residual, None):
+            normed, residual_out = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+            add_rmsnorm_into(x, res, weight, EPS, residual_out, normed)
+            expected_normed, expected_residual = add_rmsnorm(x, res, weight, EPS)
+            torch.testing.assert_close(residual_out, expected_residual, rtol=0, atol=0)
+            # one rounding step of the dtype at most: the fp32 sum's order differs from torch's
+            step = torch.finfo(dtype).eps if dtype != torch.float32 else 1e-6
+            torch.testing.assert_close(normed, expected_normed, rtol=step, atol=step * expected_normed.abs().max().item())
+
+
+def one_rank_checks(ctx) -> dict:
+    """The op on a one-rank NCCL group: eager, donated, and CUDA-graph replay on fresh input."""
+    import fxfuse
+    from fxfuse.op import cuda_dispatch
+    from fxfuse.op.schema import allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_donate_x
+
+    device, name, hidden = torch.device("cuda", torch.cuda.current_device()), ctx.group.group_name, 7168
+    report = {"ready": fxfuse.prepare(ctx.group, hidden, torch.bfloat16, max_tokens=256)}
+    report["eager"] = {}
+    for tokens in (1, 16, 256, 1024):  # 1024: beyond the prepared size, the same NCCL plan
+        x, xs, residual, weight = inputs(0, 1, tokens, 0, device, hidden)
+        kept = x.clone()
+        out = allreduce_residual_rmsnorm(x, residual, weight, EPS, name)
+        donated = allreduce_residual_rmsnorm_donate_x(x.clone(), residual, weight, EPS, name)
+        report["eager"][tokens] = (rel_errs(out, reference(xs, residual, weight)), torch.equal(x, kept),
+                                   [torch.equal(a, b) for a, b in zip(out, donated)])
+    plans = {type(plan).__name__ for plan in cuda_dispatch._PLANS.values()}
+    report["plans"] = plans
+
+    x, _, residual, weight = inputs(0, 1, 64, 1, device, hidden)
+    allreduce_residual_rmsnorm_donate_x(x.clone(), residual, weight, EPS, name)  # warm outside capture
+    scratch = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        scratch.copy_(x)  # the donated buffer is refilled inside the graph, as a producer would
+        out = allreduce_residual_rmsnorm_donate_x(scratch, residual, weight, EPS, name)
+    errors = []
+    for seed in (2, 3):
+        fresh_x, fresh_xs, fresh_residual, _ = inputs(0, 1, 64, seed, device, hidden)
+        x.copy_(fresh_x)
+        residual.copy_(fresh_residual)
+        graph.replay()
+        torch.cuda.synchronize()
+        errors.append(rel_errs(out, reference(fresh_xs, fresh_residual, weight)))
+    report["graph"] = errors
+    del graph
+    fxfuse.destroy_workspaces(ctx.group, graphs_released=True)
+    return report
+
+
+def test_one_rank_nccl_fallback_eager_donated_and_replayed():
+    (report,) = run_on_ranks(one_rank_checks, 1, device="cuda", timeout_s=300)
+    assert report["ready"] is False  # nothing fused runs on one rank
+    assert report["plans"] == {"NcclPlan"}
+    for tokens, ((err_normed, err_residual), x_kept, donated_equal) in report["eager"].items():
+        assert err_normed < TOLERANCE and err_residual < TOLERANCE, (tokens, err_normed, err_residual)
+        assert x_kept and all(donated_equal), tokens
+    for err_normed, err_residual in report["graph"]:
+        assert err_normed < TOLERANCE and err_residual < TOLERANCE, report["graph"]
+
+
+def compiled_block_checks(ctx) -> dict:
+    """A producer -> all-reduce -> add -> RMSNorm block compiled by Inductor with the site fused."""
+    import torch.distributed._functional_collectives as funcol
+    from torch._inductor.utils import run_and_get_code
+
+    import fxfuse
+    from fxfuse.backend import FxfuseBackend
+
+    def block(inp, residual, weight):
+        hidden = funcol.all_reduce(inp * 2, "sum", ctx.group.group_name) + residual
+        h = hidden.float()
+        return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(hidden.dtype), hidden
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    fxfuse.prepare(ctx.group, 4096, torch.bfloat16, max_tokens=64)
+    backend = FxfuseBackend(fuse_without_fast_kernel=True)
+    fused = torch.compile(block, backend=backend, fullgraph=True)
+    unfused = torch.compile(block, backend="inductor", fullgraph=True)
+    inp, _, residual, weight = inputs(0, 1, 64, 4, device, 4096)
+    with torch.no_grad():
+        out, (code, *_) = run_and_get_code(fused, inp, residual, weight)
+        expected = unfused(inp, residual, weight)
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fused(inp, residual, weight)
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            captured = fused(inp, residual, weight)
+        fresh, _, fresh_residual, _ = inputs(0, 1, 64, 5, device, 4096)
+        inp.copy_(fresh)
+        residual.copy_(fresh_residual)
+        graph.replay()
+        replay_expected = unfused(inp, residual, weight)
+    return {"fused_sites": backend.records[-1].stats.fused, "donates": "donate_x" in code, "clones": "clone" in code,
+            "vs_inductor": rel_errs(out, [e.float() for e in expected]),
+            "replay_vs_inductor": rel_errs(captured, [e.float() for e in replay_expected])}
+
+
+def test_compiled_block_fallback_matches_inductor_under_cuda_graphs():
+    (report,) = run_on_ranks(compiled_block_checks, 1, device="cuda", timeout_s=600)
+    assert report["fused_sites"] == 1 and report["donates"] and not report["clones"]
+    for errors in (report["vs_inductor"], report["replay_vs_inductor"]):
+        assert max(errors) < 1e-2, report
