@@ -21,12 +21,15 @@ _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_te
 class ParallelContext:
     """Which slice of a tensor-parallel model this process holds, and the group to reduce over.
 
-    `group` is None for a single, unsharded process (world_size 1); collectives are then no-ops.
+    `group` is None for a single, unsharded process (world_size 1); collectives are then no-ops, as
+    they are for a one-rank group unless `collectives_at_one_rank` (benchmarks that time real one-rank
+    all-reduces on a single GPU set it).
     """
 
     rank: int = 0
     world_size: int = 1
     group: dist.ProcessGroup | None = None
+    collectives_at_one_rank: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -47,8 +50,9 @@ class ParallelContext:
         return size // self.world_size
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the group (out of place); identity when world_size is 1."""
-        if self.world_size == 1:
+        """Sum `x` over the group (out of place); identity when world_size is 1 (unless
+        `collectives_at_one_rank` and there is a group)."""
+        if self.world_size == 1 and not (self.collectives_at_one_rank and self.group is not None):
             return x
         return funcol.all_reduce(x, "sum", self.group)
 

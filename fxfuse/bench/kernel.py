@@ -278,7 +278,7 @@ class _RankBench:
         return statistics.median(samples)
 
     def _max_over_ranks(self, values: list[float]) -> list[float]:
-        from fxfuse.op.workspace import collective_device
+        from fxfuse.op.agreement import collective_device
 
         t = torch.tensor(values, dtype=torch.float64, device=collective_device(self.ctx.group))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctx.group)

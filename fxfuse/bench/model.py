@@ -17,6 +17,7 @@ it checks the benchmark, not the speed. Launch under torchrun to join an existin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import platform
 import statistics
@@ -61,6 +62,7 @@ class ModelBenchConfig:
     device: str
     time_budget_s: float | None
     seed: int = 0
+    single_rank_collectives: bool = False
 
 
 class BenchInputError(ValueError):
@@ -83,6 +85,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda, or cpu for a smoke run")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="stop capturing new points after this many seconds and report what was measured")
+    p.add_argument("--single-rank-collectives", action="store_true",
+                   help="at --tp 1, still issue every all-reduce on the one-rank group and let fxfuse fuse the sites "
+                        "(its op then runs its NCCL fallback): the fallback's cost in the whole model, on one GPU")
     p.add_argument("--out-dir", type=Path, default=Path("bench/results"), help="where result files go")
     return p.parse_args(argv)
 
@@ -118,6 +123,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[ModelBenchConfig, int]:
         preset=args.preset, layers=args.layers, tokens=tuple(sorted(set(tokens))), batches=tuple(sorted(set(batches))),
         backends=tuple(b for b in BACKENDS if b in backends), dtype=args.dtype, context=args.context,
         repeats=args.repeats, iters=args.iters, device=args.device, time_budget_s=args.time_budget_s,
+        single_rank_collectives=args.single_rank_collectives,
     )
     return bench, tp
 
@@ -173,6 +179,8 @@ def bench_rank(ctx, config: ModelBenchConfig) -> dict | None:
     from fxfuse.models.random_weights import init_random_shards
 
     progress = Progress(ctx.rank == 0, "fxfuse bench model")
+    if config.single_rank_collectives:
+        ctx = dataclasses.replace(ctx, collectives_at_one_rank=True)
     device = torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" else torch.device("cpu")
     dtype = getattr(torch, config.dtype)
     model_config = get_preset(config.preset, layers=config.layers)
@@ -182,7 +190,7 @@ def bench_rank(ctx, config: ModelBenchConfig) -> dict | None:
         )
         init_random_shards(model, config.seed, ctx)
         model.eval()
-    compiled = {backend: compile_step(model, backend) for backend in config.backends}
+    compiled = {backend: compile_step(model, backend, config.single_rank_collectives) for backend in config.backends}
     fused_kernel_ready = None
     if "fxfuse" in compiled and device.type == "cuda":
         import fxfuse
@@ -353,7 +361,7 @@ def _max_over_ranks(ctx, values: list[float]) -> list[float]:
     """Element-wise maximum of `values` over the group (the values themselves at tp=1)."""
     if ctx.world_size == 1:
         return list(values)
-    from fxfuse.op.workspace import collective_device
+    from fxfuse.op.agreement import collective_device
 
     t = torch.tensor(values, dtype=torch.float64, device=collective_device(ctx.group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
@@ -375,6 +383,7 @@ def _report(config, world_size, device, rows, collective_rows, fusion: dict, fus
         "command": "",
         "gpu": torch.cuda.get_device_name(device) if cuda else f"cpu ({platform.processor() or platform.machine()})",
         "world_size": world_size,
+        "single_rank_collectives": config.single_rank_collectives,
         "device": device.type,
         "cuda_graphs": cuda,
         "timing": (f"CUDA-graph replay; median of {config.repeats} samples of {config.iters} replays, slowest rank"

@@ -98,7 +98,10 @@ def markdown(report: dict[str, Any]) -> str:
     if summary is not None:
         lines.append(f"- fxfuse / inductor: geometric mean {summary['geomean']:.3f} over {summary['points']} points "
                      f"(min {summary['min']:.3f}, max {summary['max']:.3f})")
-    if report["world_size"] == 1:
+    if report["world_size"] == 1 and report.get("single_rank_collectives"):
+        lines.append("- tp=1 with one-rank all-reduces issued at every site and fused by fxfuse, whose op runs its NCCL "
+                     "fallback there: fxfuse/inductor is what the fallback costs in the whole step")
+    elif report["world_size"] == 1:
         lines.append("- tp=1: the step has no all-reduce, so there is nothing to fuse; fxfuse/inductor shows what the pass costs")
     skipped = [r for r in report["results"] if r["status"] == "skipped"]
     if skipped:

@@ -37,10 +37,11 @@ class CompiledStep:
         return fusion_summary(self.fxfuse_backend)
 
 
-def compile_step(model: torch.nn.Module, backend: str) -> CompiledStep:
+def compile_step(model: torch.nn.Module, backend: str, fuse_without_fast_kernel: bool = False) -> CompiledStep:
     """Wrap `model` for `backend`: the module itself (eager), or torch.compile with Inductor or fxfuse.
 
-    Compilation happens lazily, on the first call with each new shape class.
+    Compilation happens lazily, on the first call with each new shape class. `fuse_without_fast_kernel`
+    is handed to the fxfuse backend (fuse sites where only the op's fallback can run: benchmarks).
     """
     if backend == "eager":
         return CompiledStep(backend, model)
@@ -49,7 +50,7 @@ def compile_step(model: torch.nn.Module, backend: str) -> CompiledStep:
     if backend == "fxfuse":
         from fxfuse.backend import FxfuseBackend
 
-        fxfuse_backend = FxfuseBackend()
+        fxfuse_backend = FxfuseBackend(fuse_without_fast_kernel=fuse_without_fast_kernel)
         step = torch.compile(model, backend=fxfuse_backend, fullgraph=True, dynamic=True)
         return CompiledStep(backend, step, fxfuse_backend)
     raise ValueError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")

@@ -1,8 +1,10 @@
 """GPU proof that a model compiled with backend fxfuse captures and replays in a CUDA graph across ranks.
 
-Two ranks share ONE GPU over a gloo group (NCCL refuses two ranks on one device); FlashInfer
-0.6.3 builds its all-reduce workspace from CUDA-IPC buffers, which works between two processes on
-one device. On each rank, in bf16: build the model with random shards, call `fxfuse.prepare`,
+Two ranks share ONE GPU over a gloo group (NCCL refuses two ranks on one device); fxfuse builds the
+TensorRT-LLM kernel's workspace from CUDA-IPC buffers and FlashInfer's PCIe all-reduce shares its
+own over CUDA IPC, which both work between two processes on one device. Each case runs one path,
+selected as a user would by the topology: `FXFUSE_TOPOLOGY=nvswitch` (the TensorRT-LLM kernel) or
+`pcie` (FlashInfer's PCIe all-reduce + the fused norm, FlashInfer >= 0.7.2). On each rank, in bf16: build the model with random shards, call `fxfuse.prepare`,
 compile with `FxfuseBackend(inner=...)` (`dynamic=False`: one static graph for the captured shape),
 both with inner "inductor" (what `backend="fxfuse"` is) and inner "eager" (the passes, then the
 graph as is), run it once and check that no all-reduce was left unfused; then capture one step
@@ -26,9 +28,9 @@ routed (top-k = number of experts, one group), so bf16 rounding differences betw
 eager paths cannot flip a routing tie: the comparison measures numerics, not routing luck.
 
 Evidence that the FlashInfer kernel ran at every site: the compile record shows all 1 + 2 * layers
-all-reduce sites fused and none left; a spy on `try_allreduce_residual_rmsnorm` lists the calls
-made while the graph was being captured, one per site in model order (embedding without a
-residual, then two per layer with one), each fused; `fusion_stats()` shows no fallback call.
+all-reduce sites fused and none left; a spy on the op's CUDA entry lists the calls made while the
+graph was being captured, one per site in model order (embedding without a residual, then two per
+layer with one), each with the expected plan; `fusion_stats()` shows no fallback call.
 Run with `pytest -m gpu tests/gpu`; skipped without CUDA or FlashInfer. Set
 FXFUSE_GPU_TEST_DUMP_DIR to keep the graphs before and after the pass.
 """
@@ -41,8 +43,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fxfuse.runner.launch import run_on_ranks
 from flashinfer_gpu import FLASHINFER_GPU_MARKS
+
+from fxfuse.op.flashinfer_version import installed_features
+from fxfuse.runner.launch import run_on_ranks
 
 pytestmark = FLASHINFER_GPU_MARKS
 
@@ -55,8 +59,14 @@ EAGER_TOLERANCE = 5e-2
 #: Against the same compiled step run without capture (the same kernels; MoE's atomic index_add
 #: may round a few values differently).
 REPLAY_TOLERANCE = 5e-3
-CASES = ("deepseek-width", "tiny")
-INNER_COMPILERS = ("eager", "inductor")  # FxfuseBackend(inner=...); "inductor" is backend="fxfuse"
+#: (model, FxfuseBackend inner compiler ("inductor" is backend="fxfuse"), path).
+CASES = (
+    ("deepseek-width", "inductor", "trtllm"), ("tiny", "inductor", "trtllm"), ("tiny", "eager", "trtllm"),
+    ("deepseek-width", "inductor", "pcie"), ("tiny", "inductor", "pcie"),
+)
+PATH_ENV = {"trtllm": {"FXFUSE_TOPOLOGY": "nvswitch"},
+            "pcie": {"FXFUSE_TOPOLOGY": "pcie", "FXFUSE_PCIE_PROFILE": "rootcplx"}}
+PLAN_OF_PATH = {"trtllm": "TrtllmPlan", "pcie": "PciePlan"}
 #: If set, the fxfuse backend writes each rank's graphs before/after the pass under this folder.
 DUMP_DIR_ENV = "FXFUSE_GPU_TEST_DUMP_DIR"
 
@@ -81,40 +91,44 @@ def unfused_sites(snapshot, context: int = 8) -> str:
     return "\n...\n".join("\n".join(lines[max(0, i - context): i + context]) for i in hits)
 
 
-def capture_and_compare(ctx, case: str, inner: str) -> dict:
+def capture_and_compare(ctx, case: str, inner: str, path: str) -> dict:
     """On one rank: prepare, compile, check fusion, capture, prefill, replay vs uncaptured and eager."""
-    from fxfuse.op import fused_path as ff
+    os.environ.update(PATH_ENV[path])
+    torch.cuda.set_device(ctx.rank % torch.cuda.device_count())
+    import fxfuse
     from fxfuse.backend import FxfuseBackend
-    from fxfuse.runner.cuda_graph_step import CudaGraphStep
     from fxfuse.models.deepseek_v3 import DeepseekV3ForCausalLM
     from fxfuse.models.random_weights import init_random_shards
+    from fxfuse.op import cuda_dispatch
+    from fxfuse.runner.cuda_graph_step import CudaGraphStep
 
-    torch.cuda.set_device(ctx.rank % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device())
     config = case_config(case)
     model = DeepseekV3ForCausalLM(config, ctx, dtype=torch.bfloat16, device=device, max_batch=BATCH, max_seq_len=CACHE_LEN)
     init_random_shards(model, 0, ctx)
     decoder = model.model.eval()
     report: dict = {"layers": config.num_hidden_layers}
-    report["ready"] = ff.prepare(ctx.group, config.hidden_size, torch.bfloat16, max_tokens=BATCH * WIDTH)
+    report["ready"] = fxfuse.prepare(ctx.group, config.hidden_size, torch.bfloat16, max_tokens=BATCH * WIDTH)
     if not report["ready"]:
-        report["failure"] = ff.REGISTRY.failure(ctx.group.group_name, config.hidden_size, torch.bfloat16)
+        registry = cuda_dispatch.TRTLLM if path == "trtllm" else cuda_dispatch.PCIE
+        report["failure"] = registry.failure(ctx.group.group_name, config.hidden_size, torch.bfloat16)
         return report
 
     calls = []
-    fused_call = ff.try_allreduce_residual_rmsnorm
+    entry = cuda_dispatch.allreduce_residual_rmsnorm_cuda
 
-    def spy(x, residual, weight, eps, group_name, settings=None):
-        out = fused_call(x, residual, weight, eps, group_name, settings)
+    def spy(x, residual, weight, eps, group_name, x_donated=False):
+        out = entry(x, residual, weight, eps, group_name, x_donated)
+        key = (group_name, x.numel() // x.shape[-1], x.shape[-1], x.dtype, weight.dtype, None if residual is None else residual.dtype)
         calls.append({"capturing": torch.cuda.is_current_stream_capturing(), "residual": residual is not None,
-                      "tokens": x.numel() // x.shape[-1], "fused": out is not None})
+                      "tokens": key[1], "plan": type(cuda_dispatch._PLANS[key]).__name__})
         return out
 
     dump_root = os.environ.get(DUMP_DIR_ENV)
-    backend = FxfuseBackend(inner=inner, dump_dir=os.path.join(dump_root, f"{case}-{inner}") if dump_root else None)
+    backend = FxfuseBackend(inner=inner, dump_dir=os.path.join(dump_root, f"{case}-{inner}-{path}") if dump_root else None)
     compiled = torch.compile(decoder, backend=backend, fullgraph=True, dynamic=False)
     generator = torch.Generator().manual_seed(1)
-    ff.try_allreduce_residual_rmsnorm = spy  # looked up per call by fxfuse.op.cuda_dispatch
+    cuda_dispatch.allreduce_residual_rmsnorm_cuda = spy  # looked up per call by the op's CUDA kernel
     try:
         with torch.inference_mode():
             # Compile (and run once) outside capture: an all-reduce left unfused would be a gloo
@@ -125,11 +139,11 @@ def capture_and_compare(ctx, case: str, inner: str) -> dict:
             report["unfused"] = "\n".join(unfused_sites(record.after) for record in backend.records).strip()
             if report["unfused"]:
                 return report
-            ff.reset_fusion_stats()
+            cuda_dispatch.reset_fusion_stats()
             calls.clear()
             graph_step = CudaGraphStep(compiled, BATCH, (WIDTH,), device)  # 2 warm-up calls + the capture
             report["capture_calls"] = [c for c in calls if c["capturing"]]
-            report["stats"] = ff.fusion_stats()
+            report["stats"] = cuda_dispatch.fusion_stats()
 
             prompt = torch.randint(config.vocab_size, (BATCH, PROMPT_LEN), generator=generator)
             decoder(prompt.to(device), torch.arange(PROMPT_LEN, device=device).repeat(BATCH, 1))  # eager prefill
@@ -143,15 +157,18 @@ def capture_and_compare(ctx, case: str, inner: str) -> dict:
                 report["errors"].append({"vs_uncaptured": float((replayed - uncaptured).norm() / uncaptured.norm()),
                                          "vs_eager": float((replayed - eager).norm() / eager.norm())})
             report["records"] = [record.stats for record in backend.records]
+            del graph_step
     finally:
-        ff.try_allreduce_residual_rmsnorm = fused_call
-    ff.destroy_workspaces(ctx.group)
+        cuda_dispatch.allreduce_residual_rmsnorm_cuda = entry
+    fxfuse.destroy_workspaces(ctx.group, graphs_released=True)
     return report
 
 
-@pytest.fixture(scope="module", params=[(case, inner) for case in CASES for inner in INNER_COMPILERS], ids="-".join)
+@pytest.fixture(scope="module", params=CASES, ids="-".join)
 def case_reports(request):
-    """((case, inner compiler), both ranks' reports); the ranks share GPU 0 when there is only one GPU."""
+    """((case, inner compiler, path), both ranks' reports); the ranks share GPU 0 when there is only one GPU."""
+    if request.param[2] == "pcie" and not installed_features().pcie:
+        pytest.skip("the PCIe path needs flashinfer-python >= 0.7.2")
     reports = run_on_ranks(capture_and_compare, 2, *request.param, timeout_s=600)
     for report in reports:
         assert report["ready"], f"fused workspace not created: {report.get('failure')}"
@@ -171,12 +188,12 @@ def test_every_all_reduce_site_is_fused_in_the_compiled_graph(case_reports):
 
 
 def test_flashinfer_kernel_ran_at_every_site_during_capture(case_reports):
-    _, reports = case_reports
+    (_, _, path), reports = case_reports
     for report in reports:
         assert not report["unfused"], "not captured: an all-reduce was left unfused (see the test above)"
         calls = report["capture_calls"]
         assert [c["residual"] for c in calls] == [False] + [True] * (2 * report["layers"]), calls
-        assert all(c["fused"] and c["tokens"] == BATCH * WIDTH for c in calls), calls
+        assert all(c["plan"] == PLAN_OF_PATH[path] and c["tokens"] == BATCH * WIDTH for c in calls), calls
         assert report["stats"]["fallback"] == {}
         assert sum(report["stats"]["fused"].values()) == 3 * len(calls)  # 2 warm-up calls + the capture
 

@@ -1,122 +1,131 @@
-"""GPU tests of the FlashInfer path: two ranks (gloo group) running the real fused kernel.
+"""GPU tests of the TensorRT-LLM path and its workspace lifecycle: two ranks (gloo group) running the
+real fused kernel on the workspace fxfuse builds over CUDA IPC, which works for two ranks sharing one
+GPU on every FlashInfer version (0.7.x's own workspace goes through torch symmetric memory, which
+refuses that). FXFUSE_TOPOLOGY=nvswitch stands in for the interconnect two ranks on one GPU lack.
 
-Both ranks may share one GPU: FlashInfer 0.6.3 builds its workspace from CUDA-IPC buffers, which
-works between two processes on one device. Checked against an fp32 reference: bf16, hidden 7168,
-tokens 1, 32 and 128, one-shot and two-shot, eagerly and captured in a CUDA graph replayed on
-fresh input, plus no-residual and non-contiguous inputs; per-call counters show the FlashInfer
-kernel ran. Run with `pytest -m gpu tests/gpu`; skipped without CUDA or FlashInfer.
+Checked against an fp32 reference (bf16, hidden 7168): one-shot and two-shot at 1, 32 and 128 tokens,
+no residual, non-contiguous, 3-d and unaligned (storage offset) inputs, the registered op, a CUDA graph
+replayed on fresh input; and the lifecycle: barrier flags zeroed at creation (over memory poisoned
+first), a second prepare with more tokens keeps the captured graph's workspace alive (its replay is
+still right), destroy refuses while captured graphs may use a workspace, and a creation that fails
+on one rank only makes both ranks fall back to NCCL together. Run with `pytest -m gpu tests/gpu`.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import zlib
+import os
 
 import pytest
 import torch
+from flashinfer_gpu import EPS, FLASHINFER_GPU_MARKS, fused_calls, inputs, reference, rel_errs
 
 from fxfuse.runner.launch import run_on_ranks
-from flashinfer_gpu import FLASHINFER_GPU_MARKS
 
 pytestmark = FLASHINFER_GPU_MARKS
 
 HIDDEN = 7168
-EPS = 1e-6
 TOLERANCE = 1e-2  # relative L2 error; bf16 rounding alone gives about 3e-3
 TOKENS = (1, 32, 128)
 
 
-def inputs(rank: int, world_size: int, tokens: int, seed: int, device):
-    """(this rank's x, every rank's x, residual, weight) in bf16: deterministic, same on every rank."""
-    def randn(*shape, salt):
-        g = torch.Generator().manual_seed(zlib.crc32(repr((seed, tokens, salt)).encode()))
-        return torch.randn(*shape, generator=g).to(device, torch.bfloat16)
+def _flag_bytes_are_zero(workspace) -> bool:
+    from fxfuse.op.trtllm_kernels import _device_view
 
-    xs = [randn(tokens, HIDDEN, salt=r) for r in range(world_size)]
-    weight = (1 + 0.1 * randn(HIDDEN, salt="w").float()).to(torch.bfloat16)
-    return xs[rank], xs, randn(tokens, HIDDEN, salt="res"), weight
-
-
-def reference(xs, residual, weight):
-    """fp32 all-reduce + residual add + RMSNorm * weight."""
-    residual_out = torch.stack([x.float() for x in xs]).sum(0)
-    if residual is not None:
-        residual_out = residual_out + residual.float()
-    normed = residual_out * torch.rsqrt(residual_out.pow(2).mean(-1, keepdim=True) + EPS) * weight.float()
-    return normed, residual_out
-
-
-def rel_errs(out, ref) -> tuple[float, float]:
-    return tuple(((o.float().reshape(r.shape) - r).norm() / r.norm()).item() for o, r in zip(out, ref))
+    flags = workspace.handle.buffers[1]
+    return bool((_device_view(flags.local, flags.size, torch.device("cuda", torch.cuda.current_device())) == 0).all())
 
 
 def fused_checks(ctx) -> dict:
-    """On each rank: eager, no-residual, non-contiguous, CUDA-graph and op checks; returns errors and counters."""
-    from fxfuse.op import fused_path as ff
-    from fxfuse.op.policy import FusionMode, FusionSettings
-
+    """On each rank: eager, odd inputs, CUDA graph, op and lifecycle checks; returns errors and counters."""
+    os.environ["FXFUSE_TOPOLOGY"] = "nvswitch"
     torch.cuda.set_device(ctx.rank % torch.cuda.device_count())
-    device, group_name = torch.device("cuda"), ctx.group.group_name
-    report: dict = {"ready": ff.prepare(ctx.group, HIDDEN, torch.bfloat16, max_tokens=max(TOKENS))}
-    if not report["ready"]:
-        report["failure"] = ff.REGISTRY.failure(group_name, HIDDEN, torch.bfloat16)
+    import fxfuse
+    from fxfuse.op import cuda_dispatch
+    from fxfuse.op.cuda_ipc import cuda_runtime
+    from fxfuse.op.modes import FusionMode
+    from fxfuse.op.prepare import forced_plan
+    from fxfuse.op.schema import allreduce_residual_rmsnorm
+    from fxfuse.op.trtllm_kernels import trtllm_layout
+
+    device, group_name = torch.device("cuda", torch.cuda.current_device()), ctx.group.group_name
+    # Poison memory the flag buffer is likely to reuse, so zeroing (not luck) is what the check sees.
+    runtime, size = cuda_runtime(), 2 << 20
+    poisoned = [runtime.malloc(size) for _ in range(4)]
+    for pointer in poisoned:
+        runtime.memset(pointer, 0xFF, size)
+    runtime.synchronize()
+    for pointer in poisoned:
+        runtime.free(pointer)
+
+    report: dict = {"ready": fxfuse.prepare(ctx.group, HIDDEN, torch.bfloat16, max_tokens=max(TOKENS))}
+    workspace = cuda_dispatch.TRTLLM.lookup(group_name, HIDDEN, torch.bfloat16)
+    if not report["ready"] or workspace is None:
+        report["failure"] = cuda_dispatch.TRTLLM.failure(group_name, HIDDEN, torch.bfloat16)
         return report
+    report["flags_zero"] = _flag_bytes_are_zero(workspace)
+    report["layout_bytes"] = trtllm_layout(2, max(TOKENS), HIDDEN).total_bytes
 
-    def counted_call(x, residual, weight, settings=None):
-        """Run the fused path once; return (outputs, the fused-counter increments of this call)."""
-        before = ff.fusion_stats()["fused"]
-        out = ff.try_allreduce_residual_rmsnorm(x, residual, weight, EPS, group_name, settings)
-        after = ff.fusion_stats()["fused"]
-        ran = {key[1]: n - before.get(key, 0) for key, n in after.items() if n != before.get(key, 0)}
-        return out, ran
+    def counted(call):
+        before = fused_calls()
+        out = call()
+        after = fused_calls()
+        return out, {m: n - before.get(m, 0) for m, n in after.items() if n != before.get(m, 0)}
 
+    plans = {mode: forced_plan(ctx.group, mode, HIDDEN, torch.bfloat16, max(TOKENS)) for mode in (FusionMode.ONESHOT, FusionMode.TWOSHOT)}
     report["eager"] = {}
     for tokens in TOKENS:
-        x, xs, residual, weight = inputs(ctx.rank, ctx.world_size, tokens, 0, device)
-        for mode in (FusionMode.ONESHOT, FusionMode.TWOSHOT):
-            out, ran = counted_call(x, residual, weight, FusionSettings(force_mode=mode, max_tokens=max(TOKENS)))
+        x, xs, residual, weight = inputs(ctx.rank, ctx.world_size, tokens, 0, device, HIDDEN)
+        for mode, plan in plans.items():
+            if mode is FusionMode.TWOSHOT and tokens <= ctx.world_size:
+                continue  # two-shot splits tokens across ranks
+            out, ran = counted(lambda: plan(x, residual, weight, EPS, False))
             report["eager"][(tokens, mode.value)] = (ran, rel_errs(out, reference(xs, residual, weight)))
 
-    x, xs, _, weight = inputs(ctx.rank, ctx.world_size, 32, 1, device)
-    out, ran = counted_call(x, None, weight)
-    report["no_residual"] = (ran, rel_errs(out, reference(xs, None, weight)))
+    def op(x, residual, weight):
+        return allreduce_residual_rmsnorm(x, residual, weight, EPS, group_name)
 
-    x, xs, residual, weight = inputs(ctx.rank, ctx.world_size, 32, 2, device)
-    strided_x = x.t().contiguous().t()  # same values, column-major: not contiguous
-    assert not strided_x.is_contiguous()
-    out, ran = counted_call(strided_x, residual, weight)
-    report["non_contiguous"] = (ran, rel_errs(out, reference(xs, residual, weight)))
-    out, ran = counted_call(x.view(2, 16, HIDDEN), residual.view(2, 16, HIDDEN), weight)
-    report["three_d"] = (ran, tuple(out[0].shape), rel_errs(out, reference(xs, residual, weight)))
+    x, xs, residual, weight = inputs(ctx.rank, ctx.world_size, 32, 1, device, HIDDEN)
+    report["no_residual"] = counted(lambda: op(x, None, weight))[1], rel_errs(op(x, None, weight), reference(xs, None, weight))
+    strided_x = x.t().contiguous().t()
+    report["non_contiguous"] = counted(lambda: op(strided_x, residual, weight))[1], rel_errs(op(strided_x, residual, weight), reference(xs, residual, weight))
+    padded = torch.cat([torch.zeros(8, dtype=x.dtype, device=device), x.flatten()])[8:].view(x.shape)  # 16-byte offset: fine
+    odd = torch.cat([torch.zeros(1, dtype=x.dtype, device=device), x.flatten()])[1:].view(x.shape)  # 2-byte offset: copied
+    report["unaligned"] = {"ptr_mod_16": odd.data_ptr() % 16, "errors": rel_errs(op(odd, residual, weight), reference(xs, residual, weight)),
+                           "aligned_offset_errors": rel_errs(op(padded, residual, weight), reference(xs, residual, weight))}
+    out3d = op(x.view(2, 16, HIDDEN), residual.view(2, 16, HIDDEN), weight)
+    report["three_d"] = (tuple(out3d[0].shape), rel_errs(out3d, reference(xs, residual, weight)))
 
-    report["graph"] = {}
-    for tokens, mode in ((32, FusionMode.ONESHOT), (128, FusionMode.TWOSHOT)):
-        settings = FusionSettings(force_mode=mode, max_tokens=max(TOKENS))
-        x, _, residual, weight = inputs(ctx.rank, ctx.world_size, tokens, 3, device)
-        counted_call(x, residual, weight, settings)  # warm-up outside capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out, ran_in_capture = counted_call(x, residual, weight, settings)
-        errors = []
-        for seed in (4, 5):  # fresh values in the captured input buffers, replayed twice
-            fresh_x, fresh_xs, fresh_residual, _ = inputs(ctx.rank, ctx.world_size, tokens, seed, device)
-            x.copy_(fresh_x)
-            residual.copy_(fresh_residual)
-            graph.replay()
-            torch.cuda.synchronize()
-            errors.append(rel_errs(out, reference(fresh_xs, fresh_residual, weight)))
-        report["graph"][(tokens, mode.value)] = (ran_in_capture, errors)
-
-    if importlib.util.find_spec("fxfuse.op.schema") is not None:
-        import fxfuse.op.schema  # noqa: F401 - registers torch.ops.fxfuse.allreduce_residual_rmsnorm
-
-        x, xs, residual, weight = inputs(ctx.rank, ctx.world_size, 32, 6, device)
-        before = sum(ff.fusion_stats()["fused"].values())
-        out = torch.ops.fxfuse.allreduce_residual_rmsnorm(x, residual, weight, EPS, group_name)
-        report["op"] = (sum(ff.fusion_stats()["fused"].values()) - before, rel_errs(out, reference(xs, residual, weight)))
-
-    ff.destroy_workspaces(ctx.group)
-    report["destroyed"] = ff.REGISTRY.lookup(group_name, HIDDEN, torch.bfloat16) is None
+    # a captured graph, then a second prepare with more tokens: the graph's workspace must stay alive
+    x, _, residual, weight = inputs(ctx.rank, ctx.world_size, 32, 3, device, HIDDEN)
+    op(x, residual, weight)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = op(x, residual, weight)
+    report["captured_flag"] = workspace.captured
+    report["grown"] = fxfuse.prepare(ctx.group, HIDDEN, torch.bfloat16, max_tokens=256)
+    bigger = cuda_dispatch.TRTLLM.lookup(group_name, HIDDEN, torch.bfloat16)
+    report["grown_is_new"] = bigger is not workspace and bigger.max_tokens == 256
+    report["old_retired"] = workspace in cuda_dispatch.TRTLLM.retired()
+    errors = []
+    for seed in (4, 5):
+        fresh_x, fresh_xs, fresh_residual, _ = inputs(ctx.rank, ctx.world_size, 32, seed, device, HIDDEN)
+        x.copy_(fresh_x)
+        residual.copy_(fresh_residual)
+        graph.replay()
+        torch.cuda.synchronize()
+        errors.append(rel_errs(captured, reference(fresh_xs, fresh_residual, weight)))
+    report["graph_after_growth"] = errors
+    x, xs, residual, weight = inputs(ctx.rank, ctx.world_size, 200, 6, device, HIDDEN)
+    report["uses_grown"] = counted(lambda: op(x, residual, weight))[1], rel_errs(op(x, residual, weight), reference(xs, residual, weight))
+    try:
+        fxfuse.destroy_workspaces(ctx.group)
+        report["destroy_refused"] = False
+    except RuntimeError as exc:
+        report["destroy_refused"] = "graphs_released=True" in str(exc)
+    del graph, captured
+    fxfuse.destroy_workspaces(ctx.group, graphs_released=True)
+    report["destroyed"] = cuda_dispatch.TRTLLM.lookup(group_name, HIDDEN, torch.bfloat16) is None and not cuda_dispatch.TRTLLM.retired()
+    report["stats"] = cuda_dispatch.fusion_stats()
     return report
 
 
@@ -129,43 +138,68 @@ def reports():
     return reports
 
 
+def ok(errors) -> bool:
+    return max(errors) < TOLERANCE
+
+
 def test_eager_oneshot_and_twoshot_match_fp32_reference(reports):
     for report in reports:
-        for (tokens, mode), (ran, (err_normed, err_residual)) in report["eager"].items():
-            # two-shot splits tokens across ranks, so it needs more tokens than ranks: 1 token runs one-shot
-            expected = "oneshot" if tokens <= 2 else mode
-            assert ran == {expected: 1}, (tokens, mode, ran)
-            assert err_normed < TOLERANCE and err_residual < TOLERANCE, (tokens, mode, err_normed, err_residual)
+        assert len(report["eager"]) == 5
+        for (tokens, mode), (ran, errors) in report["eager"].items():
+            assert ran == {mode: 1} and ok(errors), (tokens, mode, ran, errors)
 
 
-def test_no_residual_and_non_contiguous_inputs(reports):
+def test_odd_inputs_run_the_kernel_correctly(reports):
     for report in reports:
         for case in ("no_residual", "non_contiguous"):
-            ran, (err_normed, err_residual) = report[case]
-            assert ran == {"oneshot": 1}, (case, ran)  # FlashInfer's heuristic: one-shot at 32 tokens, 2 ranks
-            assert err_normed < TOLERANCE and err_residual < TOLERANCE, (case, err_normed, err_residual)
-        ran, shape, (err_normed, err_residual) = report["three_d"]
-        assert ran == {"oneshot": 1} and shape == (2, 16, HIDDEN)
-        assert err_normed < TOLERANCE and err_residual < TOLERANCE
+            ran, errors = report[case]
+            assert ran == {"oneshot": 1} and ok(errors), (case, ran, errors)  # the heuristic: one-shot at 32 tokens
+        assert report["unaligned"]["ptr_mod_16"] != 0 and ok(report["unaligned"]["errors"])
+        assert ok(report["unaligned"]["aligned_offset_errors"])
+        shape, errors = report["three_d"]
+        assert shape == (2, 16, HIDDEN) and ok(errors)
 
 
-def test_cuda_graph_capture_and_replay_on_fresh_input(reports):
+def test_barrier_flags_are_zeroed_at_creation(reports):
+    assert all(report["flags_zero"] for report in reports)
+
+
+def test_growth_keeps_the_captured_workspace_alive(reports):
     for report in reports:
-        assert set(report["graph"]) == {(32, "oneshot"), (128, "twoshot")}
-        for (tokens, mode), (ran_in_capture, errors) in report["graph"].items():
-            assert ran_in_capture == {mode: 1}
-            for err_normed, err_residual in errors:
-                assert err_normed < TOLERANCE and err_residual < TOLERANCE, (tokens, mode, errors)
+        assert report["captured_flag"] and report["grown"] and report["grown_is_new"] and report["old_retired"]
+        assert all(ok(errors) for errors in report["graph_after_growth"]), report["graph_after_growth"]
+        ran, errors = report["uses_grown"]
+        assert sum(ran.values()) == 1 and ok(errors)  # 200 tokens: only the grown workspace holds them
 
 
-def test_workspace_destroyed(reports):
-    assert all(report["destroyed"] for report in reports)
-
-
-def test_registered_op_dispatches_to_flashinfer(reports):
-    if "op" not in reports[0]:
-        pytest.skip("fxfuse/ops.py (the op registration) is not in this tree yet")
+def test_destroy_refuses_while_graphs_may_replay_then_frees(reports):
     for report in reports:
-        launches, (err_normed, err_residual) = report["op"]
-        assert launches == 1
-        assert err_normed < TOLERANCE and err_residual < TOLERANCE
+        assert report["destroy_refused"] and report["destroyed"]
+        assert report["stats"]["fallback"] == {}
+
+
+def one_rank_fails_creation(ctx) -> dict:
+    """Rank 1 sees no free memory: both ranks must fall back to NCCL together and stay correct."""
+    os.environ["FXFUSE_TOPOLOGY"] = "nvswitch"
+    torch.cuda.set_device(ctx.rank % torch.cuda.device_count())
+    if ctx.rank == 1:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.mem_get_info = lambda *a: (0, total)
+    import fxfuse
+    from fxfuse.op import cuda_dispatch
+    from fxfuse.op.schema import allreduce_residual_rmsnorm
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    ready = fxfuse.prepare(ctx.group, HIDDEN, torch.bfloat16, max_tokens=64)
+    x, xs, residual, weight = inputs(ctx.rank, ctx.world_size, 16, 7, device, HIDDEN)
+    out = allreduce_residual_rmsnorm(x, residual, weight, EPS, ctx.group.group_name)
+    return {"ready": ready, "failure": cuda_dispatch.TRTLLM.failure(ctx.group.group_name, HIDDEN, torch.bfloat16),
+            "errors": rel_errs(out, reference(xs, residual, weight)), "stats": cuda_dispatch.fusion_stats()}
+
+
+def test_creation_failing_on_one_rank_falls_back_on_every_rank():
+    reports = run_on_ranks(one_rank_fails_creation, 2, timeout_s=300)
+    for report in reports:
+        assert report["ready"] is False and report["failure"] and ok(report["errors"])
+        assert report["stats"]["fused"] == {} and sum(report["stats"]["fallback"].values()) == 1
+    assert "MiB free" in reports[1]["failure"] and "another rank" in reports[0]["failure"]
