@@ -48,7 +48,21 @@ class CudaRuntime:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._lib = library
-        self._lib.cudaGetErrorString.restype = ctypes.c_char_p
+        void_p, size_t, c_int, c_uint = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_uint
+        signatures = {
+            "cudaGetErrorString": ([c_int], ctypes.c_char_p),
+            "cudaSetDevice": ([c_int], c_int),
+            "cudaMalloc": ([ctypes.POINTER(void_p), size_t], c_int),
+            "cudaFree": ([void_p], c_int),
+            "cudaMemset": ([void_p, c_int, size_t], c_int),
+            "cudaDeviceSynchronize": ([], c_int),
+            "cudaIpcGetMemHandle": ([ctypes.POINTER(_IpcHandle), void_p], c_int),
+            "cudaIpcOpenMemHandle": ([ctypes.POINTER(void_p), _IpcHandle, c_uint], c_int),
+            "cudaIpcCloseMemHandle": ([void_p], c_int),
+        }
+        for name, (argtypes, restype) in signatures.items():
+            function = getattr(self._lib, name)
+            function.argtypes, function.restype = argtypes, restype
 
     def _check(self, result: int, what: str) -> None:
         if result != 0:
@@ -57,21 +71,21 @@ class CudaRuntime:
 
     def set_device(self, index: int) -> None:
         """cudaSetDevice."""
-        self._check(self._lib.cudaSetDevice(ctypes.c_int(index)), "cudaSetDevice")
+        self._check(self._lib.cudaSetDevice(index), "cudaSetDevice")
 
     def malloc(self, size: int) -> int:
         """cudaMalloc: a device pointer to `size` bytes."""
         pointer = ctypes.c_void_p()
-        self._check(self._lib.cudaMalloc(ctypes.byref(pointer), ctypes.c_size_t(size)), f"cudaMalloc({size})")
+        self._check(self._lib.cudaMalloc(ctypes.byref(pointer), size), f"cudaMalloc({size})")
         return int(pointer.value)
 
     def free(self, pointer: int) -> None:
         """cudaFree."""
-        self._check(self._lib.cudaFree(ctypes.c_void_p(pointer)), "cudaFree")
+        self._check(self._lib.cudaFree(pointer), "cudaFree")
 
     def memset(self, pointer: int, value: int, size: int) -> None:
         """cudaMemset (synchronous with respect to the host for device memory once followed by a sync)."""
-        self._check(self._lib.cudaMemset(ctypes.c_void_p(pointer), ctypes.c_int(value), ctypes.c_size_t(size)), "cudaMemset")
+        self._check(self._lib.cudaMemset(pointer, value, size), "cudaMemset")
 
     def synchronize(self) -> None:
         """cudaDeviceSynchronize."""
@@ -80,7 +94,7 @@ class CudaRuntime:
     def ipc_handle(self, pointer: int) -> bytes:
         """cudaIpcGetMemHandle: the handle another process opens to map this allocation."""
         handle = _IpcHandle()
-        self._check(self._lib.cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(pointer)), "cudaIpcGetMemHandle")
+        self._check(self._lib.cudaIpcGetMemHandle(ctypes.byref(handle), pointer), "cudaIpcGetMemHandle")
         return bytes(handle.reserved)
 
     def ipc_open(self, handle: bytes) -> int:
@@ -89,14 +103,14 @@ class CudaRuntime:
         raw = _IpcHandle()
         ctypes.memmove(raw.reserved, handle, IPC_HANDLE_BYTES)
         self._check(
-            self._lib.cudaIpcOpenMemHandle(ctypes.byref(pointer), raw, ctypes.c_uint(IPC_LAZY_ENABLE_PEER_ACCESS)),
+            self._lib.cudaIpcOpenMemHandle(ctypes.byref(pointer), raw, IPC_LAZY_ENABLE_PEER_ACCESS),
             "cudaIpcOpenMemHandle",
         )
         return int(pointer.value)
 
     def ipc_close(self, pointer: int) -> None:
         """cudaIpcCloseMemHandle: unmap a peer's allocation."""
-        self._check(self._lib.cudaIpcCloseMemHandle(ctypes.c_void_p(pointer)), "cudaIpcCloseMemHandle")
+        self._check(self._lib.cudaIpcCloseMemHandle(pointer), "cudaIpcCloseMemHandle")
 
 
 _CUDART_FILE = re.compile(r"libcudart(?:-[0-9a-f]+)?\.so(?:\.\d+)*$")

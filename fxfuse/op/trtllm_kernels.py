@@ -216,7 +216,8 @@ class _DeviceArray:
     """A `__cuda_array_interface__` view of raw device memory, for torch.as_tensor (no copy)."""
 
     def __init__(self, pointer: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (pointer, False), "version": 3}
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (pointer, False), "strides": None,
+                                         "version": 3}
 
 
 def _device_view(pointer: int, nbytes: int, device: torch.device) -> torch.Tensor:

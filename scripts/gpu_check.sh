@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One GPU session on the lent device: install the carried FlashInfer wheels (WHEELS, default .whl/),
+# install fxfuse (editable, no deps), then run the parts named in PARTS, each under its own time limit,
+# writing logs and results to $OUT/results/, tarred at the end into $OUT/results.tar.gz (the device
+# tool returns at most 8 files), with env.txt and the pytest log also beside it.
+#   tests     pytest -m gpu $TESTS (default tests/gpu)                     -> pytest_gpu.log
+#   fallback  fxfuse bench fallback (one-rank NCCL: fallback vs Inductor)    -> fallback_*.json/.md
+#   model     fxfuse bench model --tp 1 --single-rank-collectives            -> model_*.json/.md
+#   kernel    fxfuse bench kernel --world-size 2 (ranks share the GPU: correctness only)
+# The first FlashInfer use JIT-compiles its kernels (trtllm_comm about 2 minutes, the PCIe all-reduce
+# about 15 s). NVLink multicast stays off in every process (DEVICE.md).
+# Usage (device tool, carry [".whl072"]): WHEELS=.whl072 PARTS="tests" scripts/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+FINAL=${OUT:-/tmp/fxfuse-gpu}
+OUT=$FINAL/results
+WHEELS=${WHEELS:-.whl}
+PARTS=${PARTS:-"tests fallback"}
+TESTS=${TESTS:-tests/gpu}
+TESTS_TIMEOUT_S=${TESTS_TIMEOUT_S:-420}
+BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-240}
+MODEL_LAYERS=${MODEL_LAYERS:-2}
+mkdir -p "$OUT"
+status=0
+
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl || exit 1
+  case ":${PYTHONPATH:-}:" in *:/tmp/site:*) ;; *) export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} ;; esac
+fi
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/tmp/fxfuse-install.log 2>&1 \
+  || { echo "editable install of fxfuse failed:"; cat /tmp/fxfuse-install.log; exit 1; }
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
+  python3 -c "import sys, torch, triton, importlib.metadata as m
+v = lambda d: (m.version(d) if any(x.metadata['Name'] == d for x in m.distributions()) else 'not installed')
+print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__,
+      torch.cuda.get_device_name(), torch.cuda.get_device_capability(), 'flashinfer', v('flashinfer-python'), 'nvidia-ml-py', v('nvidia-ml-py'))"
+} 2>&1 | tee "$OUT/env.txt"
+
+if [[ " $PARTS " == *" tests "* ]]; then
+  # shellcheck disable=SC2086  # TESTS is a word list
+  timeout "$TESTS_TIMEOUT_S" python3 -m pytest -m gpu $TESTS -v -rs -p no:cacheprovider --durations=15 2>&1 \
+    | tee "$OUT/pytest_gpu.log" || status=1
+fi
+if [[ " $PARTS " == *" fallback "* ]]; then
+  timeout "$BENCH_TIMEOUT_S" python3 -m fxfuse.bench.fallback --out-dir "$OUT" 2>&1 | tee "$OUT/fallback.log" || status=1
+fi
+if [[ " $PARTS " == *" model "* ]]; then
+  timeout "$BENCH_TIMEOUT_S" python3 -m fxfuse --verbose bench model --tp 1 --single-rank-collectives --layers "$MODEL_LAYERS" \
+    --tokens 1,4,16 --batch 1,8 --backends inductor,fxfuse --repeats 15 --iters 5 --time-budget-s $((BENCH_TIMEOUT_S - 60)) \
+    --out-dir "$OUT" 2>&1 | tee "$OUT/model.log" || status=1
+fi
+if [[ " $PARTS " == *" kernel "* ]]; then
+  timeout "$BENCH_TIMEOUT_S" python3 -m fxfuse.bench.kernel --world-size 2 --tokens 1,16,128 --graph-iters 5 --repeats 3 \
+    --out-dir "$OUT" 2>&1 | tee "$OUT/kernel.log" || status=1
+fi
+cp "$OUT/env.txt" "$FINAL/" 2>/dev/null; cp "$OUT/pytest_gpu.log" "$FINAL/" 2>/dev/null
+tar czf "$FINAL/results.tar.gz" -C "$FINAL" results && rm -rf "$OUT"
+exit $status
