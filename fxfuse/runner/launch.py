@@ -11,6 +11,7 @@ Under torchrun (RANK/WORLD_SIZE set) it joins the existing launch instead of spa
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import pickle
 import socket
@@ -70,6 +71,8 @@ def init_rank(rank: int, world_size: int, device: str, port: int | None, timeout
 
 
 def _rank_main(rank, world_size, device, port, timeout_s, fn, args, queue):
+    # A rank still running shortly before the launcher gives up prints where it is stuck (to stderr).
+    faulthandler.dump_traceback_later(max(1.0, timeout_s - 5), exit=False)
     try:
         torch.manual_seed(0)
         if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: ranks must not oversubscribe the cores
