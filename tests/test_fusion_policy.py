@@ -81,7 +81,8 @@ def test_flashinfer_version_gates():
     [
         ({}, FusionSettings(enabled=False), "disabled"),
         ({"num_tokens": 0}, AUTO, "no tokens"),
-        ({"world_size": 1}, AUTO, "world size 1"),
+        ({"world_size": 1}, AUTO, "one-rank group"),
+        ({"world_size": 1}, FusionSettings(force_mode=FusionMode.ONESHOT), "world size 1"),
         ({"world_size": 3}, AUTO, "world size 3"),
         ({"world_size": 32}, AUTO, "world size 32"),
         ({"dtype": torch.float32, "weight_dtype": torch.float32, "residual_dtype": torch.float32}, AUTO, "dtype"),

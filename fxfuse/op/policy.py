@@ -241,6 +241,8 @@ def preferred_implementation(problem: FusionProblem, settings: FusionSettings, e
 
 
 def _why_unfused_by_default(problem: FusionProblem) -> str:
+    if problem.world_size == 1:
+        return "a one-rank group: no fused all-reduce applies"
     if problem.topology is Topology.NVSWITCH:
         return f"NVSwitch group, but {trtllm_unsupported(problem)}"
     if problem.topology is Topology.PCIE:
