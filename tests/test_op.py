@@ -175,6 +175,7 @@ def test_broken_flashinfer_hook_fails_loudly(monkeypatch):
         cuda_dispatch.flashinfer_hook.cache_clear()
 
 
+@pytest.mark.slow
 def test_cpu_paths_never_import_flashinfer():
     """Importing the op, its CUDA kernel module and the backend loads no FlashInfer code."""
     code = (

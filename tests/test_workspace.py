@@ -95,6 +95,7 @@ def reports():
     return run_on_ranks(registry_scenarios, 2, timeout_s=120)
 
 
+@pytest.mark.slow
 def test_agreed_creation_reuse_and_destroy(reports):
     for rank, report in enumerate(reports):
         ok = report["ok"]
@@ -106,6 +107,7 @@ def test_agreed_creation_reuse_and_destroy(reports):
                                f"destroy handle-{rank}-16"]
 
 
+@pytest.mark.slow
 def test_load_failure_on_one_rank_makes_all_fall_back(reports):
     for rank, report in enumerate(reports):
         r = report["load_fails_on_1"]
@@ -115,6 +117,7 @@ def test_load_failure_on_one_rank_makes_all_fall_back(reports):
         assert expected in r["failure"]
 
 
+@pytest.mark.slow
 def test_creation_failure_on_one_rank_makes_all_fall_back(reports):
     r0, r1 = (report["create_fails_on_0"] for report in reports)
     assert r0["result"] is None and r1["result"] is None
@@ -124,6 +127,7 @@ def test_creation_failure_on_one_rank_makes_all_fall_back(reports):
     assert r1["calls"] == ["load", "create 8", "release handle-1-8"]  # the survivor frees its part locally
 
 
+@pytest.mark.slow
 def test_differing_settings_make_all_fall_back(reports):
     for report in reports:
         r = report["settings_differ"]
@@ -145,6 +149,7 @@ def test_workspace_bytes_and_fingerprint():
     assert fingerprint("H200", 90, 7168) == fingerprint("H200", 90, 7168) != fingerprint("H200", 90, 4096)
 
 
+@pytest.mark.slow
 def test_cpu_paths_never_import_flashinfer():
     code = (
         "import sys, torch, fxfuse\n"
