@@ -25,11 +25,11 @@ DTYPE_CHOICES = tuple(DTYPE_BYTES)
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `fxfuse` command, with all subcommands."""
     parser = CommandParser(prog="fxfuse", description=__doc__.splitlines()[0], parents=[_common_options(False)])
-    parser.set_defaults(handler=None, command_parser=parser, missing="choose a command: run, report or bench")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_run_parser(commands)
     _add_report_parser(commands)
     _add_bench_parser(commands)
+    parser.set_defaults(handler=None, command_parser=parser, missing=f"choose a command: {', '.join(commands.choices)}")
     return parser
 
 
@@ -206,7 +206,7 @@ def _add_bench_parser(commands) -> None:
     p = _subcommand(commands, "bench", None, help="benchmarks (CUDA): " + ", ".join(BENCHMARKS),
                     description=f"Benchmarks; `fxfuse bench NAME --help` lists each one's options.\n{lines}",
                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.set_defaults(missing=f"choose a benchmark: {', '.join(BENCHMARKS)}")
+    p.set_defaults(missing=f"choose a benchmark: {', '.join(BENCHMARKS)}")  # `fxfuse bench` alone
     names = p.add_subparsers(dest="benchmark", metavar="NAME")
     for name, (_, text, declare) in BENCHMARKS.items():
         bench = _subcommand(names, name, _bench_command, help=text, description=text)

@@ -28,7 +28,7 @@ from fxfuse.runner.step_backends import compile_step
 
 __all__ = ["RunOptions", "run", "run_prepared", "run_rank"]
 
-#: Seconds between "still running" lines of a long compile.
+#: Seconds between "still running" lines of a long phase (loading, compiling, capturing).
 HEARTBEAT_S = 15.0
 
 
@@ -52,7 +52,7 @@ def run_rank(ctx: ParallelContext, setup: RunSetup) -> dict:
     progress = Progress(ctx.rank == 0, "fxfuse run")
     device = _rank_device(options.device)
     weights = "checkpoint" if options.checkpoint else "random"
-    with progress.phase(f"building {setup.model_name} ({setup.config.num_hidden_layers} layers, {weights} weights) on {device}"):
+    with progress.phase(f"building {setup.model_name} ({setup.config.num_hidden_layers} layers, {weights} weights) on {device}", heartbeat_s=HEARTBEAT_S):
         model = build_model(setup, ctx, device)
     compiled = compile_step(model, options.backend)
     fused_kernel_ready = _prepare_fused_kernel(ctx, setup, device) if options.backend == "fxfuse" else None
@@ -65,15 +65,16 @@ def run_rank(ctx: ParallelContext, setup: RunSetup) -> dict:
         _compile_uncaptured_shapes(compiled.step, setup, prompt, positions, device, progress)
     step = compiled.step
     if setup.cuda_graph:
-        with progress.phase(f"{options.backend}: compiling and capturing CUDA graphs for widths {list(setup.graph_widths)}"):
+        with progress.phase(f"{options.backend}: compiling and capturing CUDA graphs for widths {list(setup.graph_widths)}",
+                            heartbeat_s=HEARTBEAT_S):
             step = CudaGraphStep(compiled.step, options.batch, setup.graph_widths, device, progress=progress)
     reference = None
     if options.compare != "none":
-        with progress.phase(f"building the --compare {options.compare} reference"):
+        with progress.phase(f"building the --compare {options.compare} reference", heartbeat_s=HEARTBEAT_S):
             reference = build_reference(setup, ctx, device)
 
     errors: list[float | None] = []
-    with progress.phase(f"prefill of {options.batch} x {options.prompt_len} tokens"):
+    with progress.phase(f"prefill of {options.batch} x {options.prompt_len} tokens", heartbeat_s=HEARTBEAT_S):
         logits = _forward(step, prompt, positions, device)
     if reference is not None:
         errors.append(reference.relative_error(prompt, positions, logits))
