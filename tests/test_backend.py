@@ -146,6 +146,7 @@ def test_graph_without_collectives_passes_through(group):
     torch.testing.assert_close(out, local_block(x, w))
 
 
+@pytest.mark.slow
 def test_token_counts_1_to_128_compile_once(group):
     """mark_dynamic on the token dimension: one compile serves every width from 1 to 128.
 

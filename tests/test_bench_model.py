@@ -1,6 +1,6 @@
-"""CPU tests of `fxfuse bench model`: input errors, the smoke run on 2 gloo ranks, failure handling and
-the report writer (ratios, all-reduce share, files). The CUDA-graph timing itself runs on a GPU
-(scripts/gpu_check_model.sh)."""
+"""CPU tests of `fxfuse bench model` (and `fxfuse bench kernel`'s CPU error): input errors, defaults that fit
+the machine, the smoke run on 2 gloo ranks, failure handling and the report writer (ratios, all-reduce
+share, files). The CUDA-graph timing itself runs on a GPU (scripts/gpu_check_model.sh)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from fxfuse.bench.model import main
+from fxfuse.bench.model import config_from_args, main, parse_args
 from fxfuse.bench.model_report import markdown, ratio_summary, summary_rows, write_report
 
 
@@ -21,18 +21,57 @@ from fxfuse.bench.model_report import markdown, ratio_summary, summary_rows, wri
         (["--device", "cpu", "--tokens", "1,256"], "--tokens must be at most 128"),
         (["--device", "cpu", "--tokens", "64", "--context", "32"], "does not fit a KV cache of --context 32"),
         (["--device", "cpu", "--preset", "nope"], "unknown preset 'nope'"),
-        (["--device", "cpu", "--layers", "62"], "--layers must be between 1 and 61"),
+        (["--device", "cpu", "--preset", "deepseek-v3", "--layers", "62"], "--layers must be between 1 and 61"),
+        (["--device", "cpu", "--layers", "5"], "--layers must be between 1 and 4"),  # tiny on cpu
         (["--device", "cpu", "--tp", "3"], "tensor parallel size 3 does not divide"),
         (["--device", "cpu", "--batch", "0"], "--batch values must be at least 1"),
+        (["--device", "cpu", "--repeats", "0"], "argument --repeats: must be at least 1 (got 0)"),
+        (["--device", "cpu", "--context", "300"], "--context 300 exceeds max_position_embeddings 256"),
+        (["--device", "cpu", "--out-dir", __file__ + "/results"], "is not a directory"),
+        (["--device", "cpu", "--frobnicate"], "unrecognized arguments: --frobnicate"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(argv, message, capsys):
     if not argv and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     assert main(argv) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("fxfuse: error: ") and message in err and err.count("\n") == 1
 
 
+def test_cpu_defaults_fit_the_machine():
+    """On cpu the defaults are the tiny preset (full-width DeepSeek-V3 layers do not fit in memory),
+    all its 4 layers and a KV cache of its 256 positions (1024 is the default only where it fits)."""
+    config, tp = config_from_args(parse_args(["--device", "cpu"]))
+    assert (config.preset, config.layers, config.context, tp) == ("tiny", 4, 256, 1)
+    assert (config.tokens, config.batches, config.backends) == ((1, 4, 16, 64), (1, 8), ("eager", "inductor", "fxfuse"))
+
+
+def test_full_width_layers_that_do_not_fit_in_memory_are_refused(monkeypatch, capsys):
+    import fxfuse.runner.options as options
+
+    monkeypatch.setattr(options, "available_host_memory", lambda: 16 * 10**9)
+    assert main(["--device", "cpu", "--preset", "deepseek-v3"]) == 2
+    assert "the weights need at least 30.2 GB of memory" in capsys.readouterr().err
+
+
+def test_kernel_bench_without_cuda_is_one_error_line(capsys):
+    from fxfuse.bench.kernel import main as kernel_main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert kernel_main([]) == 2
+    assert capsys.readouterr().err == "fxfuse: error: fxfuse bench kernel needs CUDA GPUs (this machine has none)\n"
+
+
+def test_kernel_variant_names_match_the_report():
+    from fxfuse.bench.arguments import KERNEL_VARIANTS
+    from fxfuse.bench.kernel_report import VARIANTS
+
+    assert KERNEL_VARIANTS == tuple(VARIANTS)
+
+
+@pytest.mark.slow
 def test_cpu_smoke_run_writes_a_report(tmp_path):
     """Two gloo ranks, the tiny model cut to 1 layer, eager only: rows per point, collectives timed."""
     argv = ["--device", "cpu", "--preset", "tiny", "--layers", "1", "--tp", "2", "--tokens", "1,2", "--batch", "2",

@@ -1,5 +1,7 @@
-"""`fxfuse run`: the built-in job end to end on 2 CPU ranks, and clean errors for bad input."""
+"""`fxfuse run`: the built-in job end to end on 2 CPU ranks, its summary, its progress lines, and clean
+errors for bad input (one `fxfuse: error:` line, exit status 2, before any work)."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -7,9 +9,10 @@ import sys
 import pytest
 import torch
 
-from fxfuse.cli import main
+from fxfuse.cli import format_run_summary, main
 
 
+@pytest.mark.slow
 def test_run_tiny_tp2_matches_transformers(tmp_path):
     out = tmp_path / "out.json"
     assert main(["run", "--compare", "hf", "--json", str(out)]) == 0
@@ -19,15 +22,19 @@ def test_run_tiny_tp2_matches_transformers(tmp_path):
     assert summary["step_ms"] > 0 and summary["step_ms_p90"] >= summary["step_ms"]
     assert summary["tokens_per_s"] == pytest.approx(summary["batch"] * 1000 / summary["step_ms"])
     assert summary["cuda_graph"] is False and summary["graph_widths"] == []  # CPU: no CUDA graphs
+    assert summary["options"]["cuda_graph"] is False and summary["options"]["graph_widths"] == []  # what ran
+    assert summary["rank"] == 0 and summary["options"]["preset"] == "tiny"
     assert summary["peak_gpu_mem_gb"] is None
     assert summary["allreduce_sites"] is None and summary["fused_sites"] is None  # only the fxfuse backend fuses
     assert len(summary["tokens"]) == 1 + summary["steps"]  # one token from prefill, one per 1-token step
+    assert summary["accepted_drafts"] == [[0, 0]] * summary["steps"]  # 1-token steps carry no drafts
 
 
 @pytest.mark.slow
 def test_fxfuse_backend_fuses_every_site_and_matches_eager(tmp_path, capfd):
     """tp=2 on CPU: the fxfuse backend (passes, then Inductor) fuses all 1 + 2 * 4 all-reduce sites of
-    the tiny model; logits match the eager model step for step; rank 0 alone reports progress."""
+    the tiny model; logits match the eager model step for step; rank 0 alone reports progress, and
+    compiling has its own lines: the shapes compiled and the layers dynamo traced."""
     out = tmp_path / "out.json"
     argv = ["run", "--backend", "fxfuse", "--compare", "eager", "--tokens", "4", "--steps", "2", "--json", str(out)]
     assert main(argv) == 0
@@ -36,8 +43,15 @@ def test_fxfuse_backend_fuses_every_site_and_matches_eager(tmp_path, capfd):
     assert summary["max_rel_err"] <= 1e-4
     err = capfd.readouterr().err
     assert err.count("building tiny (4 layers, random weights)") == 2  # one start and one done line, rank 0 only
+    for shape in ("prefill, 2 x 12 tokens (1/2;", "verify step, 2 x 4 tokens (2/2;"):
+        compiling = [line for line in err.splitlines() if f"fxfuse: compiling the {shape}" in line]
+        assert compiling[0].endswith(") ...") and ": done in " in compiling[-1]  # between them: still running
+        assert sum(line.endswith(") ...") for line in compiling) == 1  # rank 0 only
+    assert err.count("fxfuse: dynamo traced layer 4/4") >= 1  # once per compile that traces the model
+    assert err.count("verify steps of 2 x 4 tokens: 2/2") == 1
 
 
+@pytest.mark.slow
 def test_multi_token_verify_steps_generate_the_greedy_sequence():
     """Speculative verify with 4-token steps must reproduce one-token greedy decoding exactly."""
     from fxfuse.runner.run import RunOptions, run
@@ -47,27 +61,132 @@ def test_multi_token_verify_steps_generate_the_greedy_sequence():
     n = min(len(one["tokens"]), len(four["tokens"]))
     assert n >= 4
     assert four["tokens"][:n] == one["tokens"][:n]
+    # each step adds its accepted drafts plus one token; the summary says how many were accepted
+    accepted = [step[0] for step in four["accepted_drafts"]]
+    assert len(four["accepted_drafts"]) == 3 and all(0 <= k <= 3 for k in accepted)
+    assert len(four["tokens"]) == 1 + sum(k + 1 for k in accepted)
+    assert f"drafts accepted per step (sequence 0, of 3): {', '.join(map(str, accepted))};" in format_run_summary(four)
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["run", "--preset", "nope"], "unknown preset 'nope'"),
+        (["run", "--preset", "nope"], "unknown model preset 'nope'; choose one of: tiny, deepseek-v3, kimi-k2"),
         (["run", "--tp", "3"], "tensor parallel size 3 does not divide"),
         (["run", "--device", "cuda"], "no CUDA GPU"),
-        (["run", "--checkpoint", "/nonexistent/ckpt"], "does not exist"),
-        (["run", "--tokens", "0"], "--tokens must be at least 1"),
-        (["run", "--layers", "0"], "layers"),
+        (["run", "--checkpoint", "/nonexistent/ckpt"], "the directory does not exist"),
+        (["run", "--tokens", "0"], "argument --tokens: must be at least 1 (got 0)"),
+        (["run", "--tp", "0"], "argument --tp: must be at least 1 (got 0)"),
+        (["run", "--tp", "two"], "argument --tp: expected an integer, got 'two'"),
+        (["run", "--layers", "-1"], "argument --layers: must be at least 1 (got -1)"),
+        (["run", "--layers", "5"], "--layers must be between 1 and 4 (got 5)"),
+        (["run", "--steps", "0"], "argument --steps: must be at least 1 (got 0)"),
         (["run", "--cuda-graph"], "--cuda-graph needs --device cuda"),
         (["run", "--tokens", "129"], "--tokens must be at most 128"),
-        (["run", "--graph-widths", "1,256"], "--graph-widths must be widths between 1 and 128"),
+        (["run", "--graph-widths", "1,256"], "argument --graph-widths: each value must be between 1 and 128"),
         (["run", "--prompt-len", "200", "--tokens", "64", "--steps", "2"], "KV cache would need 393 positions"),
+        (["run", "--preset", "deepseek-v3", "--layers", "61"], "the weights need at least"),  # 2.7 TB in float32
+        (["run", "--frobnicate"], "unrecognized arguments: --frobnicate (see `fxfuse run --help`)"),
+        (["run", "--verb"], "unrecognized arguments: --verb"),  # no abbreviations: --verb is not --verbose
+        (["--frobnicate"], "unrecognized arguments: --frobnicate (see `fxfuse --help`)"),
+        ([], "choose a command: run, report, bench"),
+        (["bench"], "choose a benchmark: kernel, model (see `fxfuse bench --help`)"),
+        (["bench", "model", "--nope"], "unrecognized arguments: --nope (see `fxfuse bench model --help`)"),
+        (["report", "--tp", "0"], "argument --tp: must be at least 1 (got 0)"),
+        (["report", "--layers", "9"], "--layers must be between 1 and 4 (got 9)"),
     ],
 )
 def test_bad_input_gives_one_line_error_and_exit_2(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("fxfuse: error:") and message in err
+    assert err.count("\n") == 1  # one line, no usage text, no traceback
+
+
+def test_verbose_is_taken_before_or_after_the_subcommand():
+    from fxfuse.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["--verbose", "run"]).verbose and parse(["run", "--verbose"]).verbose
+    assert not parse(["run"]).verbose and parse(["--verbose", "bench", "model"]).verbose
+
+
+def test_bench_arguments_are_handed_over_without_the_command_and_verbose():
+    from fxfuse.cli import _benchmark_argv
+
+    argv = ["--verbose", "bench", "model", "--device", "cpu", "--verbose", "--preset", "tiny"]
+    assert _benchmark_argv(argv, "model") == ["--device", "cpu", "--preset", "tiny"]
+
+
+def test_help_shows_every_default():
+    """Every option of every subcommand and benchmark says its default in --help."""
+    from fxfuse.cli import build_parser
+
+    def subparsers(parser):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield sub
+                    yield from subparsers(sub)
+
+    parsers = list(subparsers(build_parser()))
+    assert {p.prog for p in parsers} >= {"fxfuse run", "fxfuse report", "fxfuse bench", "fxfuse bench model",
+                                         "fxfuse bench kernel"}
+    missing = [
+        f"{p.prog} {action.option_strings[0]}"
+        for p in parsers
+        for action in p._actions
+        if action.option_strings and action.dest not in ("help", "verbose") and "default" not in (action.help or "")
+    ]
+    assert not missing
+
+
+@pytest.mark.parametrize("command", ["run", "report"])
+def test_unwritable_json_path_is_refused_before_any_work(command, monkeypatch, capsys):
+    import fxfuse.runner.options as options
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before the output path was checked")
+
+    monkeypatch.setattr(options, "prepare_run", no_work)
+    monkeypatch.setattr(options, "resolve_model", no_work)
+    assert main([command, "--json", "/nonexistent_dir/x.json"]) == 2
+    assert capsys.readouterr().err == "fxfuse: error: --json /nonexistent_dir/x.json: directory '/nonexistent_dir' does not exist\n"
+
+
+def test_output_path_checks(tmp_path):
+    from fxfuse.command_line import check_output_dir, check_output_file
+
+    check_output_file(tmp_path / "new.json", "--json")  # a new file in an existing folder: fine
+    check_output_dir(tmp_path / "new" / "deeper", "--out-dir")  # created later, under a writable folder
+    with pytest.raises(ValueError, match="is a directory, not a file"):
+        check_output_file(tmp_path, "--json")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="is not a directory"):
+        check_output_dir(tmp_path / "file" / "results", "--out-dir")
+
+
+def test_a_failed_write_at_the_end_keeps_the_results_and_exits_2(tmp_path, monkeypatch, capsys):
+    """The path was fine when the run started but cannot be written when it ends: the summary is
+    printed anyway, then one error line naming the file."""
+    import fxfuse.runner.run
+
+    target = tmp_path / "out.json"
+    summary = {"rank": 0, "tp": 2, "device": "cpu", "backend": "eager", "dtype": "float32", "model": "tiny",
+               "layers": 4, "batch": 2, "prompt_len": 12, "tokens_per_step": 1, "steps": 4, "cuda_graph": False,
+               "graph_widths": [], "compare": "none", "max_rel_err": None, "step_ms": 2.0, "step_ms_p90": 3.0,
+               "tokens_per_s": 1000.0, "peak_gpu_mem_gb": None, "fused_sites": None, "tokens": [1, 2, 3, 4, 5],
+               "accepted_drafts": [[0, 0]] * 4}
+
+    def run_prepared(setup):
+        target.mkdir()  # now a directory: the write fails
+        return summary
+
+    monkeypatch.setattr(fxfuse.runner.run, "run_prepared", run_prepared)
+    assert main(["run", "--json", str(target)]) == 2
+    out, err = capsys.readouterr()
+    assert "tokens (sequence 0): [1, 2, 3, 4, 5]" in out
+    assert err.startswith(f"fxfuse: error: cannot write {target}: ") and err.count("\n") == 1
 
 
 def test_checkpoint_that_does_not_fit_tp_is_refused_before_loading(tmp_path, capsys):

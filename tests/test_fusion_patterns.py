@@ -148,6 +148,7 @@ def test_plain_norm_of_reduced_value(group):
     assert op_counts(gm.graph)["_c10d_functional.all_reduce"] == 0
 
 
+@pytest.mark.slow
 def test_symbolic_token_count_and_3d_input(group):
     """[batch, tokens, hidden] activations with dynamic shapes still fuse, with symbolic meta."""
     decoder = functools.partial(toy_decoder, group=group, norm=rmsnorm_functional)

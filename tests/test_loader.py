@@ -100,6 +100,7 @@ def _load_on_real_rank(ctx, directory):
     return sorted(params), wrong
 
 
+@pytest.mark.slow
 def test_loads_on_spawned_ranks(sharded_dir):
     directory, full = sharded_dir
     for checked, wrong in run_on_ranks(_load_on_real_rank, 2, directory):

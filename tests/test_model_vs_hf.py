@@ -126,11 +126,13 @@ def assert_close_to_transformers(ours: list[torch.Tensor], theirs: list[torch.Te
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.slow
 def test_matches_transformers_at_tp1(checkpoints, variant):
     directory, schedule, expected = checkpoints[variant]
     assert_close_to_transformers(run_schedule(ParallelContext(), directory, schedule), expected, FP32_TOLERANCE)
 
 
+@pytest.mark.slow
 def test_matches_transformers_at_tp2(checkpoints):
     cases = [(name, directory, schedule) for name, (directory, schedule, _) in checkpoints.items()]
     rank0, rank1 = run_on_ranks(run_every_variant, 2, cases)
@@ -153,6 +155,7 @@ needs_cpu_grouped_mm = pytest.mark.skipif(not grouped_mm_runs_on_cpu(), reason="
 
 
 @needs_cpu_grouped_mm
+@pytest.mark.slow
 def test_grouped_mm_experts_match_transformers(checkpoints):
     """The sorted-token grouped-GEMM expert path (the CUDA bf16 kernel's math) in fp32 on CPU."""
     directory, schedule, expected = checkpoints["q_lora"]
@@ -168,6 +171,7 @@ def test_grouped_mm_experts_match_transformers(checkpoints):
         (torch.float16, "dense", 1e-2),
     ],
 )
+@pytest.mark.slow
 def test_low_precision_tracks_transformers_fp32(checkpoints, dtype, expert_impl, tolerance):
     """bf16 / fp16 runs stay near transformers' fp32 logits (seen: bf16 ~1.2e-2, fp16 ~1.5e-3)."""
     directory, schedule, expected = checkpoints["q_lora"]

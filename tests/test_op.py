@@ -206,6 +206,7 @@ def test_cuda_dispatch_nccl_plan_matches_the_reference_and_caches_its_plan(monke
     assert all("PCIe group, but PCIe all-reduce unavailable" in reason for reason in rank0["stats"]["fallback"])
 
 
+@pytest.mark.slow
 def test_cpu_paths_never_import_flashinfer():
     """Importing the op, its CUDA kernel module and the backend loads no FlashInfer code."""
     code = (

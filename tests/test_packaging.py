@@ -28,6 +28,7 @@ def installed(tmp_path_factory) -> Path:
     return target
 
 
+@pytest.mark.slow
 def test_non_editable_install_imports_subpackages_under_fxfuse(installed, tmp_path):
     assert (installed / "fxfuse" / "models" / "deepseek_v3.py").is_file()
     assert (installed / "fxfuse" / "passes" / "allreduce_rmsnorm_fusion.py").is_file()

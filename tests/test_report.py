@@ -37,6 +37,7 @@ def tiny_trace():
     return trace_model(get_preset("tiny"), 2)
 
 
+@pytest.mark.slow
 def test_tiny_report_rows(tiny_trace):
     report = summarize(*tiny_trace, model="tiny", layers=4, tp=2, dtype=torch.bfloat16)
     assert (report.allreduce_sites, report.fused_sites, report.fused_ops, report.merged) == (9, 9, 9, 0)
@@ -53,6 +54,7 @@ def test_tiny_report_rows(tiny_trace):
     assert report.table().splitlines()[-1].startswith("tiny (4 layers, tp=2, bfloat16): 9 of 9 all-reduce sites fused")
 
 
+@pytest.mark.slow
 def test_golden_diff(tiny_trace):
     """The tiny model's before/after diff is exactly tests/golden/tiny_tp2.diff (see the module docstring)."""
     backend, _ = tiny_trace
@@ -63,6 +65,7 @@ def test_golden_diff(tiny_trace):
     assert diff == GOLDEN.read_text()
 
 
+@pytest.mark.slow
 def test_disabled_pattern_is_the_reason():
     """With pattern 2 off, the embedding site stays unfused and says so; the layer's sites still fuse."""
     report = report_model(get_preset("tiny", layers=1), 2, name="tiny", patterns=(MERGE_ALLREDUCE, ALLREDUCE_RESIDUAL_RMSNORM))
@@ -168,6 +171,7 @@ def test_merged_sites_are_fused_and_marked():
 
 
 @pytest.mark.parametrize("preset", ["deepseek-v3", "kimi-k2"])
+@pytest.mark.slow
 def test_full_width_presets_at_tp8(preset):
     """The real widths at tp=8, cut to 4 layers (dense and MoE layers of both presets): all fused."""
     report = report_model(get_preset(preset, layers=4), 8, name=preset)
@@ -175,6 +179,7 @@ def test_full_width_presets_at_tp8(preset):
     assert {row.block for row in report.sites} == {"embedding", "attention", "MLP", "MoE"}
 
 
+@pytest.mark.slow
 def test_cli_report_from_checkpoint_config(tmp_path, capsys):
     """`fxfuse report --checkpoint DIR` needs only config.json; --json writes the rows and timings."""
     (tmp_path / "config.json").write_text(json.dumps(get_preset("tiny").to_hf_dict()))

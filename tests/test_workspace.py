@@ -112,6 +112,7 @@ def reports():
     return run_on_ranks(registry_scenarios, 2, timeout_s=120)
 
 
+@pytest.mark.slow
 def test_agreed_creation_growth_keeps_old_and_destroy_frees_both(reports):
     for rank, report in enumerate(reports):
         ok = report["ok"]
@@ -123,6 +124,7 @@ def test_agreed_creation_growth_keeps_old_and_destroy_frees_both(reports):
                                f"destroy handle-{rank}-8", f"destroy handle-{rank}-16"]
 
 
+@pytest.mark.slow
 def test_load_failure_on_one_rank_makes_all_fall_back(reports):
     for report in reports:
         r = report["load_fails_on_1"]
@@ -132,6 +134,7 @@ def test_load_failure_on_one_rank_makes_all_fall_back(reports):
     assert "another rank" in reports[0]["load_fails_on_1"]["failure"]
 
 
+@pytest.mark.slow
 def test_creation_failure_on_one_rank_makes_all_fall_back(reports):
     for rank, report in enumerate(reports):
         r = report["create_fails_on_0"]
@@ -142,12 +145,14 @@ def test_creation_failure_on_one_rank_makes_all_fall_back(reports):
     assert "failed on another rank" in reports[1]["create_fails_on_0"]["failure"]
 
 
+@pytest.mark.slow
 def test_ranks_asking_for_different_workspaces_all_fall_back(reports):
     for report in reports:
         r = report["requests_differ"]
         assert r["result"] is None and r["calls"] == ["load"] and "asked for another workspace" in r["failure"]
 
 
+@pytest.mark.slow
 def test_exit_with_a_busy_gpu_returns_without_peers_or_hanging(reports):
     for report in reports:
         assert report["exit_busy_gpu"]["calls"] == ["load", "create 8"]  # nothing released, nothing waited on
@@ -240,6 +245,7 @@ def shared_buffer_scenarios(ctx):
     return out
 
 
+@pytest.mark.slow
 def test_shared_buffers_map_every_peer_and_close_cleanly():
     results = run_on_ranks(shared_buffer_scenarios, 2, timeout_s=120)
     for rank, out in enumerate(results):
@@ -252,6 +258,7 @@ def test_shared_buffers_map_every_peer_and_close_cleanly():
         assert results[1]["pointers"][i][0] == results[0]["pointers"][i][0] + 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what, bad_rank", [("malloc", 1), ("open", 0)])
 def test_shared_buffer_failure_on_one_rank_raises_everywhere_and_leaks_nothing(what, bad_rank):
     for out in run_on_ranks(shared_buffer_scenarios, 2, timeout_s=120):
@@ -315,6 +322,7 @@ def group_config_on_rank(ctx):
         return str(exc)
 
 
+@pytest.mark.slow
 def test_differing_settings_raise_the_same_error_on_every_rank():
     messages = run_on_ranks(group_config_on_rank, 2, timeout_s=120)
     assert messages[0] == messages[1] and "FXFUSE_FUSION=off" in messages[0]
@@ -338,6 +346,7 @@ def _rank_1_hangs(ctx):
     return ctx.rank
 
 
+@pytest.mark.slow
 def test_a_hung_rank_is_named_and_stopped():
     from fxfuse.runner.launch import RankFailed
 

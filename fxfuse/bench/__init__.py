@@ -1,2 +1,2 @@
 """`fxfuse bench`: the kernel benchmark (`kernel`, report files by `kernel_report`), the model
-benchmark (`model`, `model_report`) and their shared output (`output`)."""
+benchmark (`model`, `model_report`), their options (`arguments`, no torch) and shared output (`output`)."""

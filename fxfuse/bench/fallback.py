@@ -33,11 +33,11 @@ from pathlib import Path
 import torch
 import torch.distributed._functional_collectives as funcol
 
+from fxfuse.bench.arguments import FALLBACK_DESCRIPTION, add_fallback_arguments
 from fxfuse.bench.output import package_versions, publish, relative_l2_error, write_result_files
+from fxfuse.command_line import CommandParser, check_output_dir
 from fxfuse.runner.launch import run_on_ranks
 
-DEFAULT_TOKENS = tuple(2**i for i in range(13))  # 1 .. 4096
-DEFAULT_HIDDEN = (7168, 4096)
 EPS = 1e-6
 TOLERANCE = 2e-2  # relative L2 error vs fp32; bf16 rounding alone gives about 3e-3
 
@@ -52,33 +52,28 @@ def block(inp: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, group
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Parse `fxfuse bench fallback` arguments."""
-    p = argparse.ArgumentParser(prog="fxfuse bench fallback", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma-separated token counts")
-    p.add_argument("--hidden", default=",".join(map(str, DEFAULT_HIDDEN)), help="comma-separated hidden sizes")
-    p.add_argument("--repeats", type=int, default=30, help="timing samples per point and variant")
-    p.add_argument("--iters", type=int, default=20, help="calls captured in one CUDA graph")
-    p.add_argument("--host-calls", type=int, default=200, help="uncaptured calls timed for the host cost")
-    p.add_argument("--out-dir", type=Path, default=Path("bench/results"), help="where result files go")
-    args = p.parse_args(argv)
-    try:
-        args.tokens = tuple(int(t) for t in args.tokens.split(","))
-        args.hidden = tuple(int(h) for h in args.hidden.split(","))
-    except ValueError:
-        p.error("--tokens and --hidden take comma-separated integers")
-    if min(args.tokens + args.hidden) < 1 or min(args.repeats, args.iters, args.host_calls) < 1:
-        p.error("every count must be at least 1")
-    return args
+    """Parse `fxfuse bench fallback` arguments (a usage error exits with status 2)."""
+    p = CommandParser(prog="fxfuse bench fallback", description=FALLBACK_DESCRIPTION)
+    add_fallback_arguments(p)
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark on one GPU, write its files, return the exit status."""
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+        check_output_dir(args.out_dir, "--out-dir")
+    except SystemExit as exc:  # --help, or a usage error already printed
+        return int(exc.code or 0)
+    except ValueError as exc:
+        print(f"fxfuse: error: {exc}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("fxfuse: error: fxfuse bench fallback needs a CUDA GPU", file=sys.stderr)
         return 2
-    report = run_on_ranks(bench_rank, 1, vars(args) | {"out_dir": str(args.out_dir)}, device="cuda", timeout_s=1800)[0]
+    options = {"tokens": args.tokens, "hidden": args.hidden, "repeats": args.repeats, "iters": args.iters,
+               "host_calls": args.host_calls}
+    report = run_on_ranks(bench_rank, 1, options, device="cuda", timeout_s=1800)[0]
     publish(report, "fallback", argv, lambda r: write_result_files(
         args.out_dir / file_stem(r), r, markdown(r), lambda path: False), markdown)
     if report["max_rel_err"] > TOLERANCE:

@@ -35,13 +35,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from fxfuse.bench.output import package_versions, publish, relative_l2_error
+from fxfuse.bench.arguments import KERNEL_DESCRIPTION, add_kernel_arguments, check_kernel_arguments
 from fxfuse.bench.kernel_report import FUSED_MODES, VARIANTS, derive_thresholds, markdown, write_report
+from fxfuse.bench.output import package_versions, publish, relative_l2_error
+from fxfuse.command_line import CommandParser, check_output_dir, check_output_file
 from fxfuse.op.modes import FusionMode
 from fxfuse.runner.launch import run_on_ranks, under_torchrun
 
-DEFAULT_TOKENS = tuple(2**i for i in range(12))  # 1 .. 2048
-DEFAULT_HIDDEN = (7168, 4096)
 EPS = 1e-6
 TOLERANCE = 2e-2  # relative L2 error vs fp32; bf16 rounding alone gives about 3e-3
 
@@ -60,31 +60,28 @@ class BenchConfig:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Parse `fxfuse bench kernel` arguments."""
-    p = argparse.ArgumentParser(prog="fxfuse bench kernel", description=__doc__.splitlines()[0])
-    p.add_argument("--world-size", type=int, default=None,
-                   help="ranks to spawn (default: visible GPUs, at least 2); ignored under torchrun")
-    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma-separated token counts")
-    p.add_argument("--hidden", default=",".join(map(str, DEFAULT_HIDDEN)), help="comma-separated hidden sizes")
-    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {', '.join(VARIANTS)}")
-    p.add_argument("--repeats", type=int, default=None, help="timed replays per point (default 50, 5 when sharing GPUs)")
-    p.add_argument("--graph-iters", type=int, default=20, help="calls captured in one CUDA graph")
-    p.add_argument("--out-dir", type=Path, default=Path("bench/results"), help="where result files go")
-    p.add_argument("--write-thresholds", type=Path, metavar="PATH",
-                   help="also write (merge into) a thresholds file derived from the medians")
+    """Parse `fxfuse bench kernel` arguments (a usage error exits with status 2)."""
+    p = CommandParser(prog="fxfuse bench kernel", description=KERNEL_DESCRIPTION)
+    add_kernel_arguments(p)
     args = p.parse_args(argv)
-    unknown = set(args.variants.split(",")) - set(VARIANTS)
-    if unknown:
-        p.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    check_kernel_arguments(p, args)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark (spawning ranks or joining torchrun), write the reports, return the exit status."""
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+        check_output_dir(args.out_dir, "--out-dir")
+        if args.write_thresholds:
+            check_output_file(args.write_thresholds, "--write-thresholds")
+    except SystemExit as exc:  # --help, or a usage error already printed
+        return int(exc.code or 0)
+    except ValueError as exc:
+        print(f"fxfuse: error: {exc}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
-        print("fxfuse bench kernel needs CUDA GPUs", file=sys.stderr)
+        print("fxfuse: error: fxfuse bench kernel needs CUDA GPUs (this machine has none)", file=sys.stderr)
         return 2
     gpus = torch.cuda.device_count()
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (args.world_size or max(gpus, 2))
@@ -101,9 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     report = results[0]
     if report is None:  # a non-zero torchrun rank: rank 0 reports
         return 0
-    publish(report, "kernel", argv, lambda r: write_report(r, args.out_dir), markdown)
-    if args.write_thresholds:
-        _write_thresholds(report, args.write_thresholds)
+    try:
+        publish(report, "kernel", argv, lambda r: write_report(r, args.out_dir), markdown)
+        if args.write_thresholds:
+            _write_thresholds(report, args.write_thresholds)
+    except OSError as exc:  # the measurement is not lost: print it, then the error
+        print(markdown(report))
+        print(f"fxfuse: error: cannot write the results: {exc}", file=sys.stderr)
+        return 2
     if report["max_rel_err"] > TOLERANCE:
         print(f"FAILED: relative error {report['max_rel_err']:.2e} above {TOLERANCE:.0e}", file=sys.stderr)
         return 1

@@ -10,8 +10,9 @@ step's all-reduces ([batch * width, hidden] each, as many as the step does) capt
 and reports their share of the unfused (Inductor) step. Results go to --out-dir as JSON, markdown
 and PNG (see `fxfuse.bench.model_report`).
 
-`--device cpu` is a smoke run of the same code (gloo ranks, no CUDA graphs, wall-clock timing):
-it checks the benchmark, not the speed. Launch under torchrun to join an existing launch.
+`--device cpu` is a smoke run of the same code (gloo ranks, no CUDA graphs, wall-clock timing) on
+the tiny preset by default: it checks the benchmark, not the speed. Options and their defaults:
+`fxfuse.bench.arguments`. Launch under torchrun to join an existing launch.
 """
 
 from __future__ import annotations
@@ -26,20 +27,20 @@ import time
 import traceback
 import zlib
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from fxfuse.bench.arguments import DEFAULT_CONTEXT, DEFAULT_LAYERS, DEFAULT_PRESET, MODEL_DESCRIPTION, add_model_arguments
 from fxfuse.bench.model_report import markdown, write_report
 from fxfuse.bench.output import package_versions, publish, relative_l2_error
+from fxfuse.command_line import CommandParser, check_output_dir
 from fxfuse.runner.launch import run_on_ranks, under_torchrun
+from fxfuse.runner.options import BACKENDS, check_host_memory
 from fxfuse.runner.progress import Progress
-from fxfuse.runner.step_backends import BACKENDS, CompiledStep, compile_step
+from fxfuse.runner.step_backends import CompiledStep, compile_step
 
-DEFAULT_TOKENS = (1, 4, 16, 64)
-DEFAULT_BATCHES = (1, 8)
 #: Largest relative L2 error of a backend's logits against eager's. Loose on purpose: it catches
 #: broken outputs (errors of order 1), not rounding; bf16 rounding differences can flip a MoE
 #: routing tie for a token, which moves that token's logits by a few percent.
@@ -70,30 +71,15 @@ class BenchInputError(ValueError):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Parse `fxfuse bench model` arguments."""
-    p = argparse.ArgumentParser(prog="fxfuse bench model", description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="deepseek-v3", help="model preset (default deepseek-v3, full width)")
-    p.add_argument("--layers", type=int, default=4, help="decoder layers (default 4: 3 dense + 1 MoE for deepseek-v3)")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: all visible GPUs; 1 on cpu)")
-    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="comma-separated step widths")
-    p.add_argument("--batch", default=",".join(map(str, DEFAULT_BATCHES)), help="comma-separated batch sizes")
-    p.add_argument("--backends", default=",".join(BACKENDS), help=f"comma-separated subset of {', '.join(BACKENDS)}")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    p.add_argument("--context", type=int, default=1024, help="KV-cache length (positions) every step attends over")
-    p.add_argument("--repeats", type=int, default=10, help="timing samples per point (the median is reported)")
-    p.add_argument("--iters", type=int, default=5, help="replays per timing sample")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cuda, or cpu for a smoke run")
-    p.add_argument("--time-budget-s", type=float, default=None,
-                   help="stop capturing new points after this many seconds and report what was measured")
-    p.add_argument("--single-rank-collectives", action="store_true",
-                   help="at --tp 1, still issue every all-reduce on the one-rank group and let fxfuse fuse the sites "
-                        "(its op then runs its NCCL fallback): the fallback's cost in the whole model, on one GPU")
-    p.add_argument("--out-dir", type=Path, default=Path("bench/results"), help="where result files go")
+    """Parse `fxfuse bench model` arguments (a usage error exits with status 2)."""
+    p = CommandParser(prog="fxfuse bench model", description=MODEL_DESCRIPTION)
+    add_model_arguments(p)
     return p.parse_args(argv)
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[ModelBenchConfig, int]:
-    """(benchmark config, tp size) from parsed arguments; raises BenchInputError naming the problem."""
+    """(benchmark config, tp size) from parsed arguments, machine-dependent defaults resolved;
+    raises BenchInputError naming the problem."""
     from fxfuse.models.presets import PRESETS, get_preset
 
     tokens, batches = _int_list("--tokens", args.tokens), _int_list("--batch", args.batch)
@@ -101,27 +87,31 @@ def config_from_args(args: argparse.Namespace) -> tuple[ModelBenchConfig, int]:
     unknown = sorted(set(backends) - set(BACKENDS))
     if unknown:
         raise BenchInputError(f"unknown backends {unknown}; choose from {', '.join(BACKENDS)}")
-    if args.preset not in PRESETS:
-        raise BenchInputError(f"unknown preset {args.preset!r}; choose one of: {', '.join(PRESETS)}")
+    preset = args.preset or DEFAULT_PRESET[args.device]
+    if preset not in PRESETS:
+        raise BenchInputError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+    config = get_preset(preset)
+    layers = args.layers or min(DEFAULT_LAYERS, config.num_hidden_layers)
+    context = args.context or min(DEFAULT_CONTEXT, config.max_position_embeddings)
     if max(tokens) > 128:
         raise BenchInputError(f"--tokens must be at most 128 per step (got {max(tokens)})")
-    if max(tokens) > args.context:
-        raise BenchInputError(f"a step of {max(tokens)} tokens does not fit a KV cache of --context {args.context}")
-    if args.repeats < 1 or args.iters < 1:
-        raise BenchInputError("--repeats and --iters must be at least 1")
-    config = get_preset(args.preset)
-    if not 1 <= args.layers <= config.num_hidden_layers:
-        raise BenchInputError(f"--layers must be between 1 and {config.num_hidden_layers} (got {args.layers})")
-    if args.context > config.max_position_embeddings:
-        raise BenchInputError(f"--context {args.context} exceeds max_position_embeddings {config.max_position_embeddings}")
+    if max(tokens) > context:
+        raise BenchInputError(f"a step of {max(tokens)} tokens does not fit a KV cache of --context {context}")
+    if not 1 <= layers <= config.num_hidden_layers:
+        raise BenchInputError(f"--layers must be between 1 and {config.num_hidden_layers} (got {layers})")
+    if context > config.max_position_embeddings:
+        raise BenchInputError(f"--context {context} exceeds max_position_embeddings {config.max_position_embeddings}")
     tp = _tensor_parallel_size(args)
+    model_config = get_preset(preset, layers=layers)
     try:
-        config.check_tensor_parallel(tp)
+        model_config.check_tensor_parallel(tp)
+        if args.device == "cpu":
+            check_host_memory(model_config, args.dtype, 1, "use --preset tiny or fewer --layers")
     except ValueError as exc:
         raise BenchInputError(str(exc)) from exc
     bench = ModelBenchConfig(
-        preset=args.preset, layers=args.layers, tokens=tuple(sorted(set(tokens))), batches=tuple(sorted(set(batches))),
-        backends=tuple(b for b in BACKENDS if b in backends), dtype=args.dtype, context=args.context,
+        preset=preset, layers=layers, tokens=tuple(sorted(set(tokens))), batches=tuple(sorted(set(batches))),
+        backends=tuple(b for b in BACKENDS if b in backends), dtype=args.dtype, context=context,
         repeats=args.repeats, iters=args.iters, device=args.device, time_budget_s=args.time_budget_s,
         single_rank_collectives=args.single_rank_collectives,
     )
@@ -154,16 +144,24 @@ def _tensor_parallel_size(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark (spawning ranks or joining torchrun), write the reports, return the exit status."""
-    args = parse_args(argv)
     try:
+        args = parse_args(argv)
+        check_output_dir(args.out_dir, "--out-dir")
         config, tp = config_from_args(args)
-    except BenchInputError as exc:
-        print(f"fxfuse bench model: error: {exc}", file=sys.stderr)
+    except SystemExit as exc:  # --help, or a usage error already printed
+        return int(exc.code or 0)
+    except ValueError as exc:
+        print(f"fxfuse: error: {exc}", file=sys.stderr)
         return 2
     report = run_on_ranks(bench_rank, tp, config, device=config.device, timeout_s=1800)[0]
     if report is None:  # a non-zero torchrun rank: rank 0 reports
         return 0
-    publish(report, "model", argv, lambda r: write_report(r, args.out_dir), markdown)
+    try:
+        publish(report, "model", argv, lambda r: write_report(r, args.out_dir), markdown)
+    except OSError as exc:  # the measurement is not lost: print it, then the error
+        print(markdown(report))
+        print(f"fxfuse: error: cannot write the results to {args.out_dir}: {exc}", file=sys.stderr)
+        return 2
     failed = [r for r in report["results"] if r["status"] == "failed"]
     if failed:
         print(f"FAILED: {len(failed)} point(s) differ from eager by more than {TOLERANCE:.0e}", file=sys.stderr)

@@ -16,11 +16,10 @@ after being merged with another all-reduce); and if not, why (`explain_unfused`)
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -187,10 +186,12 @@ def trace_sites(
     make_inputs: Callable[[], tuple[torch.Tensor, ...]],
     tp: int,
     patterns=PATTERNS,
+    on_build: Callable[[torch.nn.Module], object] | None = None,
 ) -> tuple[SiteTracingBackend, float]:
     """Compile `build(ctx)(*make_inputs())` on fake tensors and a fake group of `tp` ranks.
 
-    Both callables run under the fake mode (no storage is allocated). Dynamo's caches are reset
+    Both callables run under the fake mode (no storage is allocated); `on_build(module)`, if given,
+    sees the module before it is compiled (to watch progress, e.g.). Dynamo's caches are reset
     before and after (each call compiles afresh; nothing keeps the traced model alive). Returns the
     backend (sites, records, pass time) and the compile's wall time in seconds.
     """
@@ -198,6 +199,8 @@ def trace_sites(
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_process_group(tp) as group, fake_mode, torch.no_grad():
         module = build(ParallelContext.from_group(group))
+        if on_build is not None:
+            on_build(module)
         inputs = make_inputs()
         torch._dynamo.reset()
         start = time.perf_counter()
@@ -214,6 +217,7 @@ def trace_model(
     dtype: torch.dtype = torch.bfloat16,
     tokens: int = 4,
     patterns=PATTERNS,
+    on_build: Callable[[torch.nn.Module], object] | None = None,
 ) -> tuple[SiteTracingBackend, float]:
     """`trace_sites` of one `tokens`-token step (batch 1) of the DeepSeek-V3 reference model."""
     from fxfuse.models.deepseek_v3 import DeepseekV3ForCausalLM
@@ -226,14 +230,15 @@ def trace_model(
     def make_inputs() -> tuple[torch.Tensor, torch.Tensor]:
         return torch.zeros(1, tokens, dtype=torch.long), torch.arange(tokens).unsqueeze(0)
 
-    return trace_sites(build, make_inputs, tp, patterns)
+    return trace_sites(build, make_inputs, tp, patterns, on_build)
 
 
 def report_model(
-    config: ModelConfig, tp: int, *, name: str, dtype: torch.dtype = torch.bfloat16, patterns=PATTERNS
+    config: ModelConfig, tp: int, *, name: str, dtype: torch.dtype = torch.bfloat16, patterns=PATTERNS,
+    on_build: Callable[[torch.nn.Module], object] | None = None,
 ) -> FusionReport:
     """Trace the DeepSeek-V3 reference model (`trace_model`) and report every all-reduce site."""
-    backend, seconds = trace_model(config, tp, dtype=dtype, patterns=patterns)
+    backend, seconds = trace_model(config, tp, dtype=dtype, patterns=patterns, on_build=on_build)
     return summarize(backend, seconds, model=name, layers=config.num_hidden_layers, tp=tp, dtype=dtype)
 
 
@@ -254,20 +259,3 @@ def summarize(backend: SiteTracingBackend, compile_seconds: float, *, model: str
         pass_seconds=round(backend.pass_seconds, 3),
         sites=tuple(backend.sites),
     )
-
-
-def load_config(preset: str | None, checkpoint: str | None, layers: int | None) -> tuple[ModelConfig, str]:
-    """(config, model name) of a preset or of a checkpoint directory's config.json, cut to `layers`.
-
-    Raises ValueError for an unknown preset or a directory without config.json.
-    """
-    from fxfuse.models.presets import get_preset
-
-    if checkpoint:
-        if not os.path.isfile(os.path.join(checkpoint, "config.json")):
-            raise ValueError(f"checkpoint directory {checkpoint!r} has no config.json")
-        config, name = ModelConfig.from_pretrained(checkpoint), checkpoint
-        if layers is not None:
-            config = replace(config, num_hidden_layers=layers)
-        return config, name
-    return get_preset(preset, layers=layers), preset

@@ -1,3 +1,4 @@
-"""`fxfuse run`: option checks and model construction (`setup`), the rank launcher (`launch`), step
-compilation (`step_backends`), CUDA-graph replay (`cuda_graph_step`), speculative-verify bookkeeping
-(`speculative`), progress lines (`progress`) and the run itself (`run`)."""
+"""`fxfuse run`: options and their validation (`options`, `errors`; no torch), model construction
+(`setup`), the rank launcher (`launch`), step compilation (`step_backends`), CUDA-graph replay
+(`cuda_graph_step`), speculative-verify bookkeeping (`speculative`), progress lines (`progress`) and
+the run itself (`run`)."""

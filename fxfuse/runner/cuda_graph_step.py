@@ -17,9 +17,6 @@ import torch
 
 from fxfuse.runner.progress import Progress
 
-#: Default widths (tokens per sequence per step) that get their own graph.
-DEFAULT_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128)
-
 
 class CudaGraphStep:
     """A model step that replays captured CUDA graphs for the widths it was captured for."""
@@ -36,9 +33,10 @@ class CudaGraphStep:
         self.step = step
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
-        for width in sorted(set(widths)):
+        widths = sorted(set(widths))
+        for count, width in enumerate(widths, 1):
             if progress is not None:
-                progress.note(f"capturing a CUDA graph for {batch} x {width} tokens")
+                progress.note(f"capturing a CUDA graph for {batch} x {width} tokens ({count}/{len(widths)})")
             ids = torch.zeros(batch, width, dtype=torch.long, device=device)
             positions = torch.arange(width, device=device).expand(batch, -1).contiguous()
             stream = torch.cuda.Stream(device)

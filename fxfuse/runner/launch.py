@@ -24,23 +24,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fxfuse.models.parallel import ParallelContext
+from fxfuse.runner.errors import RankFailed
 
 #: NVLink multicast stays off in every process we start (see DESIGN.md / DEVICE.md).
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-class RankFailed(RuntimeError):
-    """Raised in the launching process when a rank failed.
-
-    `rank` is the failing rank (None if unknown), `error` the one-line `Type: message` of the
-    exception it raised and `traceback` its full traceback text.
-    """
-
-    def __init__(self, message: str, rank: int | None = None, error: str = "", traceback_text: str = ""):
-        super().__init__(message)
-        self.rank = rank
-        self.error = error or message
-        self.traceback = traceback_text
 
 
 def under_torchrun() -> bool:

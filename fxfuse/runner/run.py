@@ -13,45 +13,23 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 
-from fxfuse.runner.launch import run_on_ranks
-from fxfuse.runner.cuda_graph_step import DEFAULT_WIDTHS, CudaGraphStep
 from fxfuse.models.parallel import ParallelContext
-from fxfuse.runner.progress import Progress
-from fxfuse.runner.setup import COMPARE_TARGETS, DTYPES, RunSetup, prepare_run
+from fxfuse.runner.cuda_graph_step import CudaGraphStep
+from fxfuse.runner.launch import run_on_ranks
+from fxfuse.runner.options import RunOptions, RunSetup, prepare_run
+from fxfuse.runner.progress import Progress, watch_layers
+from fxfuse.runner.setup import DTYPES, build_model, build_reference
 from fxfuse.runner.speculative import accepted_length, next_drafts
-from fxfuse.runner.step_backends import BACKENDS, compile_step
+from fxfuse.runner.step_backends import compile_step
 
-__all__ = ["BACKENDS", "COMPARE_TARGETS", "DTYPES", "RunOptions", "run", "run_rank"]
+__all__ = ["RunOptions", "run", "run_prepared", "run_rank"]
 
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """Everything `fxfuse run` takes; defaults are the README's built-in job.
-
-    `cuda_graph` None means: on for device cuda, off for cpu. `graph_widths` are the step widths
-    (tokens per sequence) that get a captured graph; other widths run uncaptured.
-    """
-
-    preset: str | None = "tiny"
-    checkpoint: str | None = None
-    layers: int | None = None
-    tp: int = 2
-    device: str = "cpu"
-    backend: str = "eager"
-    dtype: str = "float32"
-    batch: int = 2
-    prompt_len: int = 12
-    tokens_per_step: int = 1
-    steps: int = 4
-    compare: str = "none"
-    seed: int = 0
-    cuda_graph: bool | None = None
-    graph_widths: tuple[int, ...] = DEFAULT_WIDTHS
+#: Seconds between "still running" lines of a long phase (loading, compiling, capturing).
+HEARTBEAT_S = 15.0
 
 
 def run(options: RunOptions) -> dict:
@@ -59,9 +37,12 @@ def run(options: RunOptions) -> dict:
 
     Spawned ranks: rank 0's summary. Under torchrun: this process's own (its `rank` field says which).
     """
-    setup = prepare_run(options)
-    results = run_on_ranks(run_rank, options.tp, setup, device=options.device)
-    return results[0]
+    return run_prepared(prepare_run(options))
+
+
+def run_prepared(setup: RunSetup) -> dict:
+    """`run` for options already validated by `prepare_run`."""
+    return run_on_ranks(run_rank, setup.options.tp, setup, device=setup.options.device)[0]
 
 
 @torch.inference_mode()
@@ -71,40 +52,44 @@ def run_rank(ctx: ParallelContext, setup: RunSetup) -> dict:
     progress = Progress(ctx.rank == 0, "fxfuse run")
     device = _rank_device(options.device)
     weights = "checkpoint" if options.checkpoint else "random"
-    with progress.phase(f"building {setup.model_name} ({setup.config.num_hidden_layers} layers, {weights} weights) on {device}"):
-        model = setup.build_model(ctx, device)
+    with progress.phase(f"building {setup.model_name} ({setup.config.num_hidden_layers} layers, {weights} weights) on {device}", heartbeat_s=HEARTBEAT_S):
+        model = build_model(setup, ctx, device)
     compiled = compile_step(model, options.backend)
     fused_kernel_ready = _prepare_fused_kernel(ctx, setup, device) if options.backend == "fxfuse" else None
-    step = compiled.step
-    if setup.cuda_graph:
-        with progress.phase(f"{options.backend}: compiling and capturing CUDA graphs for widths {list(setup.graph_widths)}"):
-            step = CudaGraphStep(compiled.step, options.batch, setup.graph_widths, device, progress=progress)
-    reference = None
-    if options.compare != "none":
-        with progress.phase(f"building the --compare {options.compare} reference"):
-            reference = setup.build_reference(ctx, device)
-
     generator = torch.Generator().manual_seed(options.seed)
     prompt = torch.randint(0, setup.config.vocab_size, (options.batch, options.prompt_len), generator=generator)
     positions = torch.arange(options.prompt_len).repeat(options.batch, 1)  # contiguous like every step's: no stride recompile
+    width = options.tokens_per_step
+    if options.backend != "eager":
+        watch_layers(progress, model.model.layers, f"{options.backend}: dynamo traced layer")
+        _compile_uncaptured_shapes(compiled.step, setup, prompt, positions, device, progress)
+    step = compiled.step
+    if setup.cuda_graph:
+        with progress.phase(f"{options.backend}: compiling and capturing CUDA graphs for widths {list(setup.graph_widths)}",
+                            heartbeat_s=HEARTBEAT_S):
+            step = CudaGraphStep(compiled.step, options.batch, setup.graph_widths, device, progress=progress)
+    reference = None
+    if options.compare != "none":
+        with progress.phase(f"building the --compare {options.compare} reference", heartbeat_s=HEARTBEAT_S):
+            reference = build_reference(setup, ctx, device)
+
     errors: list[float | None] = []
-    with progress.phase(f"prefill of {options.batch} x {options.prompt_len} tokens"):
+    with progress.phase(f"prefill of {options.batch} x {options.prompt_len} tokens", heartbeat_s=HEARTBEAT_S):
         logits = _forward(step, prompt, positions, device)
     if reference is not None:
         errors.append(reference.relative_error(prompt, positions, logits))
 
-    width = options.tokens_per_step
     last = logits[:, -1].argmax(-1)
     position = torch.full((options.batch,), options.prompt_len, dtype=torch.long)
     drafts = last.unsqueeze(1).expand(-1, width - 1).clone()
     generated: list[list[int]] = [[int(t)] for t in last]
+    accepted_per_step: list[list[int]] = []
     step_seconds: list[float] = []
-    if options.steps:
-        # One untimed call of the first step (it compiles, if that width has not been run yet): it
-        # writes the same cache positions with the same values as the real first step after it.
-        _forward(step, torch.cat([last.unsqueeze(1), drafts], dim=1), position.unsqueeze(1) + torch.arange(width), device)
-    progress.note(f"{options.steps} verify steps of {options.batch} x {width} tokens")
-    for _ in range(options.steps):
+    # One untimed call of the first step (first-call costs; a compile if that width was not run
+    # yet): it writes the same cache positions with the same values as the real first step after it.
+    _forward(step, torch.cat([last.unsqueeze(1), drafts], dim=1), position.unsqueeze(1) + torch.arange(width), device)
+    for index in range(options.steps):
+        progress.count(f"verify steps of {options.batch} x {width} tokens:", index + 1, options.steps)
         input_ids = torch.cat([last.unsqueeze(1), drafts], dim=1)
         step_positions = position.unsqueeze(1) + torch.arange(width)
         logits, seconds = _timed_forward(step, input_ids, step_positions, device)
@@ -113,6 +98,7 @@ def run_rank(ctx: ParallelContext, setup: RunSetup) -> dict:
             errors.append(reference.relative_error(input_ids, step_positions, logits))
         predicted = logits.argmax(-1)
         accepted = accepted_length(drafts, predicted)
+        accepted_per_step.append([int(k) for k in accepted])
         for b in range(options.batch):
             k = int(accepted[b])
             generated[b].extend(int(t) for t in drafts[b, :k])
@@ -121,7 +107,7 @@ def run_rank(ctx: ParallelContext, setup: RunSetup) -> dict:
         position = position + accepted + 1
         drafts = next_drafts(predicted, accepted, width)
 
-    step_ms = 1000 * statistics.median(step_seconds) if step_seconds else None
+    step_ms = 1000 * statistics.median(step_seconds)
     return {
         "rank": ctx.rank,
         "tp": ctx.world_size,
@@ -140,14 +126,34 @@ def run_rank(ctx: ParallelContext, setup: RunSetup) -> dict:
         "compare": options.compare,
         "max_rel_err": max((e for e in errors if e is not None), default=None),
         "step_ms": step_ms,
-        "step_ms_p90": 1000 * _percentile(step_seconds, 0.9) if step_seconds else None,
-        "tokens_per_s": options.batch * width * 1000 / step_ms if step_ms else None,
+        "step_ms_p90": 1000 * _percentile(step_seconds, 0.9),
+        "tokens_per_s": options.batch * width * 1000 / step_ms,
         "peak_gpu_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
         **compiled.fusion_summary(),
         "fused_kernel_ready": fused_kernel_ready,
         "tokens": generated[0],
+        "accepted_drafts": accepted_per_step,
         "options": asdict(options),
     }
+
+
+def _compile_uncaptured_shapes(step, setup: RunSetup, prompt, positions, device, progress: Progress) -> None:
+    """Compile the step, each in its own progress phase, for the shapes it will run outside CUDA
+    graphs: the prefill and the verify step (unless their width has a graph, which captures it).
+
+    Each warm-up call writes KV-cache positions that the real call of that shape overwrites
+    before anything reads them (the prefill: 0..prompt_len-1, the first verify step: the next
+    `tokens_per_step`), so the run's results do not change.
+    """
+    o = setup.options
+    verify_positions = o.prompt_len + torch.arange(o.tokens_per_step).repeat(o.batch, 1)
+    shapes = [("prefill", prompt, positions), ("verify step", torch.zeros_like(verify_positions), verify_positions)]
+    shapes = [shape for shape in shapes if shape[1].shape[1] not in setup.graph_widths]
+    stages = "dynamo, then AOT autograd, the fxfuse passes and Inductor" if o.backend == "fxfuse" else "dynamo, then Inductor"
+    for count, (what, ids, pos) in enumerate(shapes, 1):
+        message = f"{o.backend}: compiling the {what}, {o.batch} x {ids.shape[1]} tokens ({count}/{len(shapes)}; {stages})"
+        with progress.phase(message, heartbeat_s=HEARTBEAT_S):
+            _forward(step, ids, pos, device)
 
 
 def _rank_device(device: str) -> torch.device:
@@ -157,7 +163,8 @@ def _rank_device(device: str) -> torch.device:
 
 
 def _prepare_fused_kernel(ctx: ParallelContext, setup: RunSetup, device: torch.device) -> bool | None:
-    """`fxfuse.prepare` on CUDA (before any capture), sized for the widest graph and the prefill.
+    """`fxfuse.prepare` on CUDA (before any capture), sized for what the CUDA graphs replay
+    (`RunSetup.fused_kernel_tokens`); a larger prefill runs the op's fallback.
 
     Returns whether the FlashInfer kernel is ready (False at tp=1 or where it cannot run); None on CPU.
     """
@@ -165,9 +172,7 @@ def _prepare_fused_kernel(ctx: ParallelContext, setup: RunSetup, device: torch.d
         return None
     import fxfuse
 
-    o = setup.options
-    max_tokens = o.batch * max(o.prompt_len, o.tokens_per_step, *setup.graph_widths)
-    return fxfuse.prepare(ctx.group, setup.config.hidden_size, DTYPES[o.dtype], max_tokens)
+    return fxfuse.prepare(ctx.group, setup.config.hidden_size, DTYPES[setup.options.dtype], setup.fused_kernel_tokens)
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -15,8 +15,7 @@ from typing import Callable
 
 import torch
 
-#: Backends a step can be compiled with.
-BACKENDS = ("eager", "inductor", "fxfuse")
+from fxfuse.runner.options import BACKENDS
 
 
 @dataclass

@@ -16,22 +16,32 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fxfuse.command_line import CommandParser, at_least
+
+
+def add_tune_pcie_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `fxfuse tune pcie` (no torch imported)."""
+    p.add_argument("--world-size", type=at_least(2), default=None, help="ranks, one GPU each (default: all visible GPUs)")
+    p.add_argument("--hidden", type=at_least(8), default=7168, help="hidden size of the model (default 7168: DeepSeek-V3, Kimi-K2)")
+    p.add_argument("--max-tokens", type=at_least(1), default=512,
+                   help="token capacity the job's fxfuse.prepare asks for (default 512)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16", help="activations (default bfloat16)")
+    p.add_argument("--out", default=None, help="tuning file to write (default: $FXFUSE_PCIE_TUNE_CACHE, else FlashInfer's path)")
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Parse `fxfuse tune pcie` arguments."""
-    p = argparse.ArgumentParser(prog="fxfuse tune pcie", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--world-size", type=int, default=None, help="ranks, one GPU each (default: all visible GPUs)")
-    p.add_argument("--hidden", type=int, default=7168, help="hidden size of the model (DeepSeek-V3 / Kimi-K2: 7168)")
-    p.add_argument("--max-tokens", type=int, default=512, help="token capacity the job's fxfuse.prepare asks for")
-    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
-    p.add_argument("--out", default=None, help="tuning file to write (default: $FXFUSE_PCIE_TUNE_CACHE or FlashInfer's)")
+    """Parse `fxfuse tune pcie` arguments (a usage error exits with status 2)."""
+    p = CommandParser(prog="fxfuse tune pcie", description=__doc__.splitlines()[0])
+    add_tune_pcie_arguments(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Tune on `--world-size` GPUs and print what was measured; returns the exit status."""
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error already printed
+        return int(exc.code or 0)
     import torch
 
     from fxfuse.op.flashinfer_version import installed_features
@@ -48,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fxfuse: error: --world-size must be 2, 4 or 8 GPUs and at most the {gpus} present (got {world_size})",
               file=sys.stderr)
         return 2
-    if args.hidden < 8 or args.hidden % 8 or args.max_tokens < 1:
-        print("fxfuse: error: --hidden must be a positive multiple of 8 and --max-tokens at least 1", file=sys.stderr)
+    if args.hidden % 8:
+        print(f"fxfuse: error: --hidden must be a multiple of 8 (16-byte rows; got {args.hidden})", file=sys.stderr)
         return 2
     path, tuned = run_on_ranks(tune_rank, world_size, args.hidden, args.max_tokens, args.dtype, args.out,
                                device="cuda", timeout_s=3600)[0]

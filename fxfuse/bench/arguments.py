@@ -1,0 +1,127 @@
+"""The options of `fxfuse bench model`, `kernel` and `fallback`, with their defaults; imports no torch.
+
+`add_model_arguments(parser)`, `add_kernel_arguments(parser)` and `add_fallback_arguments(parser)` declare each benchmark's options
+(the `fxfuse` command and each benchmark's own `python -m` entry share them), so `--help` and
+unknown options are answered before torch is imported. Options whose default depends on the machine
+(`--preset`, `--layers`, `--context` of the model benchmark) default to None and are resolved by
+the benchmark; their help says to what.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from fxfuse.command_line import at_least, int_list
+from fxfuse.runner.options import BACKENDS
+
+MODEL_DESCRIPTION = "DeepSeek-V3 verify-step latency, eager vs Inductor vs fxfuse, under CUDA graphs."
+KERNEL_DESCRIPTION = "The fused all-reduce + residual + RMSNorm op against unfused, per token count (CUDA)."
+FALLBACK_DESCRIPTION = ("The fused op's NCCL fallback against the unfused graph Inductor compiles, one GPU, "
+                        "one-rank NCCL group (CUDA).")
+
+#: Model benchmark defaults: step widths, batch sizes, the preset per device, layers, KV-cache length.
+DEFAULT_TOKENS = (1, 4, 16, 64)
+DEFAULT_BATCHES = (1, 8)
+DEFAULT_PRESET = {"cuda": "deepseek-v3", "cpu": "tiny"}
+DEFAULT_LAYERS = 4
+DEFAULT_CONTEXT = 1024
+DEFAULT_OUT_DIR = Path("bench/results")
+
+#: Kernel benchmark defaults: token counts 1 .. 2048 and the hidden sizes of DeepSeek-V3 and Llama-8B.
+DEFAULT_KERNEL_TOKENS = tuple(2**i for i in range(12))
+DEFAULT_HIDDEN = (7168, 4096)
+#: Fallback benchmark defaults: token counts 1 .. 4096.
+DEFAULT_FALLBACK_TOKENS = tuple(2**i for i in range(13))
+#: The kernel benchmark's variants, in table order (their report titles: `fxfuse.bench.kernel_report.VARIANTS`).
+KERNEL_VARIANTS = ("fused-oneshot", "fused-twoshot", "pcie", "fallback", "nccl+inductor")
+
+
+def _joined(values) -> str:
+    return ",".join(map(str, values))
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `fxfuse bench model`."""
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cuda, or cpu for a smoke run of the code on gloo ranks (default cuda)")
+    p.add_argument("--preset", default=None,
+                   help=f"model preset (default: {DEFAULT_PRESET['cuda']} at full width on cuda, "
+                        f"{DEFAULT_PRESET['cpu']} on cpu, where full-width layers do not fit in memory)")
+    p.add_argument("--layers", type=at_least(1), default=None,
+                   help=f"decoder layers (default {DEFAULT_LAYERS}: 3 dense + 1 MoE for deepseek-v3; all of a preset with fewer)")
+    p.add_argument("--tp", type=at_least(1), default=None,
+                   help="tensor-parallel size (default: all visible GPUs on cuda, 1 on cpu)")
+    p.add_argument("--tokens", default=_joined(DEFAULT_TOKENS),
+                   help=f"comma-separated step widths, at most 128 (default {_joined(DEFAULT_TOKENS)})")
+    p.add_argument("--batch", default=_joined(DEFAULT_BATCHES),
+                   help=f"comma-separated batch sizes (default {_joined(DEFAULT_BATCHES)})")
+    p.add_argument("--backends", default=_joined(BACKENDS),
+                   help=f"comma-separated subset of {', '.join(BACKENDS)} (default: all)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                   help="weights and activations (default bfloat16)")
+    p.add_argument("--context", type=at_least(1), default=None,
+                   help=f"KV-cache length (positions) every step attends over (default {DEFAULT_CONTEXT}, "
+                        "or the preset's max_position_embeddings if smaller)")
+    p.add_argument("--repeats", type=at_least(1), default=10,
+                   help="timing samples per point; the median is reported (default 10)")
+    p.add_argument("--iters", type=at_least(1), default=5, help="replays per timing sample (default 5)")
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="stop capturing new points after this many seconds and report what was measured "
+                        "(default: no budget)")
+    p.add_argument("--single-rank-collectives", action="store_true",
+                   help="at --tp 1, still issue every all-reduce on the one-rank group and let fxfuse fuse the sites "
+                        "(its op then runs its NCCL fallback): the fallback's cost in the whole model, on one GPU "
+                        "(default: off)")
+    p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR,
+                   help=f"where result files go (default {DEFAULT_OUT_DIR})")
+
+
+def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `fxfuse bench kernel`."""
+    p.add_argument("--world-size", type=at_least(1), default=None,
+                   help="ranks to spawn (default: visible GPUs, at least 2); ignored under torchrun")
+    p.add_argument("--tokens", default=_joined(DEFAULT_KERNEL_TOKENS),
+                   help=f"comma-separated token counts (default {_joined(DEFAULT_KERNEL_TOKENS)})")
+    p.add_argument("--hidden", default=_joined(DEFAULT_HIDDEN),
+                   help=f"comma-separated hidden sizes (default {_joined(DEFAULT_HIDDEN)})")
+    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16",
+                   help="activations and weight (default bfloat16)")
+    p.add_argument("--variants", default=_joined(KERNEL_VARIANTS),
+                   help=f"comma-separated subset of {', '.join(KERNEL_VARIANTS)} (default: all)")
+    p.add_argument("--repeats", type=at_least(1), default=None,
+                   help="timed replays per point (default 50, 5 when ranks share GPUs)")
+    p.add_argument("--graph-iters", type=at_least(1), default=20,
+                   help="calls captured in one CUDA graph (default 20)")
+    p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR,
+                   help=f"where result files go (default {DEFAULT_OUT_DIR})")
+    p.add_argument("--write-thresholds", type=Path, metavar="PATH",
+                   help="also write (merge into) a thresholds file derived from the medians (default: none)")
+
+
+def check_kernel_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors (through `p.error`) for kernel-benchmark options argparse cannot check itself."""
+    for flag, text in (("--tokens", args.tokens), ("--hidden", args.hidden)):
+        try:
+            values = [int(part) for part in text.split(",")]
+        except ValueError:
+            p.error(f"argument {flag}: expected comma-separated integers, got {text!r}")
+        if min(values) < 1:
+            p.error(f"argument {flag}: values must be at least 1 (got {text!r})")
+    unknown = set(args.variants.split(",")) - set(KERNEL_VARIANTS)
+    if unknown:
+        p.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(KERNEL_VARIANTS)}")
+
+
+def add_fallback_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `fxfuse bench fallback`."""
+    p.add_argument("--tokens", type=int_list(1, 1 << 20), default=DEFAULT_FALLBACK_TOKENS,
+                   help=f"comma-separated token counts (default {_joined(DEFAULT_FALLBACK_TOKENS)})")
+    p.add_argument("--hidden", type=int_list(8, 1 << 16), default=DEFAULT_HIDDEN,
+                   help=f"comma-separated hidden sizes (default {_joined(DEFAULT_HIDDEN)})")
+    p.add_argument("--repeats", type=at_least(1), default=30, help="timing samples per point and variant (default 30)")
+    p.add_argument("--iters", type=at_least(1), default=20, help="calls captured in one CUDA graph (default 20)")
+    p.add_argument("--host-calls", type=at_least(1), default=200,
+                   help="uncaptured calls timed for the host cost (default 200)")
+    p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR,
+                   help=f"where result files go (default {DEFAULT_OUT_DIR})")

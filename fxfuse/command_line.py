@@ -1,0 +1,95 @@
+"""Argument handling shared by the `fxfuse` command and its benchmarks; imports no torch.
+
+`CommandParser` is an `argparse.ArgumentParser` whose usage errors are one line,
+`fxfuse: error: <what is wrong> (see `<command> --help`)`, with exit status 2. `at_least` and
+`int_list` are argument types whose errors name the bad value. `check_output_file` and
+`check_output_dir` refuse an output path that cannot be written before any work starts;
+`write_json` turns a failed write into a `ValueError` naming the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one `fxfuse: error:` line (exit status 2).
+
+    Long options must be spelled out (no abbreviations), so `--verb` is an error, not `--verbose`.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> None:  # argparse's hook for every usage error
+        """Print `fxfuse: error: <message> (see `<prog> --help`)` to stderr and exit with status 2."""
+        self.exit(2, f"fxfuse: error: {message} (see `{self.prog} --help`)\n")
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `minimum`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum} (got {value})")
+        return value
+
+    return parse
+
+
+def int_list(low: int, high: int) -> Callable[[str], tuple[int, ...]]:
+    """An argparse type: comma-separated integers, each in [low, high], e.g. `1,2,4` -> (1, 2, 4)."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(part) for part in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        bad = [v for v in values if not low <= v <= high]
+        if bad:
+            raise argparse.ArgumentTypeError(f"each value must be between {low} and {high} (got {text!r})")
+        return values
+
+    return parse
+
+
+def check_output_file(path: str | os.PathLike, flag: str) -> None:
+    """Raise ValueError unless a file can be written at `path` (its folder exists and is writable)."""
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory, not a file")
+    folder = target.parent
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {path}: directory {str(folder)!r} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ValueError(f"{flag} {path}: not writable")
+
+
+def check_output_dir(path: str | os.PathLike, flag: str) -> None:
+    """Raise ValueError unless `path` is a writable directory or can be created (its nearest existing
+    ancestor is a writable directory)."""
+    folder = Path(path).absolute()
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {path}: {str(existing)!r} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: {str(existing)!r} is not writable")
+
+
+def write_json(path: str | os.PathLike, document: Any) -> None:
+    """Write `document` as indented JSON to `path`; a failed write raises ValueError naming the file."""
+    try:
+        with open(path, "w") as f:
+            json.dump(document, f, indent=2)
+            f.write("\n")
+    except OSError as exc:
+        raise ValueError(f"cannot write {path}: {exc.strerror or exc}") from exc

@@ -1,0 +1,25 @@
+"""The two ways `fxfuse run` (and the benchmarks built on its launcher) end in error; imports no torch.
+
+`RunError`: the run cannot start (bad option, model or machine), raised before any rank starts;
+`RankFailed`: a rank raised, raised in the launching process with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+
+class RunError(ValueError):
+    """A run that cannot start: bad option, model or machine; the message says which."""
+
+
+class RankFailed(RuntimeError):
+    """Raised in the launching process when a rank failed.
+
+    `rank` is the failing rank (None if unknown), `error` the one-line `Type: message` of the
+    exception it raised and `traceback` its full traceback text.
+    """
+
+    def __init__(self, message: str, rank: int | None = None, error: str = "", traceback_text: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.error = error or message
+        self.traceback = traceback_text
