@@ -1,4 +1,4 @@
-"""Command-line interface: `fxfuse run`, `fxfuse report`, `fxfuse bench` (and `python -m fxfuse ...`).
+"""Command-line interface: `fxfuse run`, `fxfuse report`, `fxfuse bench`, `fxfuse plan` (and `python -m fxfuse ...`).
 
 Each subcommand validates its input before starting any process and exits non-zero with a
 one-line message on bad input or a failed rank (the full traceback is printed only with
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_parser(commands)
     _add_report_parser(commands)
     _add_bench_parser(commands)
+    _add_plan_parser(commands)
     return parser
 
 
@@ -96,6 +97,68 @@ def _bench_command(args) -> int:
     return module.main(args.args)
 
 
+def _add_plan_parser(commands) -> None:
+    """`fxfuse plan`: the per-rank memory plan of a run (fxfuse/runner/memory_plan.py), no GPU needed."""
+    p = commands.add_parser("plan", help="per-rank memory of a run: weights, KV cache, workspaces, activations",
+                            description="Per-rank memory plan of a run (no weights loaded, no GPU needed). Exits 2 "
+                                        "with what would fit when it does not fit --gpu-memory-gb.")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--preset", default=None, help="built-in model config (default: deepseek-v3)")
+    source.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (config.json only)")
+    p.add_argument("--layers", type=int, default=None, metavar="N", help="keep full width but only the first N layers")
+    p.add_argument("--tp", type=int, default=8, help="tensor parallel size (default 8)")
+    p.add_argument("--weights", choices=("bf16", "fp8", "int4"), default=None,
+                   help="weight format (default: the checkpoint's, bf16 for presets)")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="activations and unquantized weights")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    p.add_argument("--context", type=int, default=4096, help="KV-cache positions per sequence (default 4096)")
+    p.add_argument("--tokens", type=int, default=128, help="widest step, tokens per sequence (default 128)")
+    p.add_argument("--graph-widths", type=_int_list, default=(1, 2, 4, 8, 16, 32, 64, 128), metavar="W,W,...",
+                   help="captured CUDA-graph widths (default 1,...,128; empty for none)")
+    p.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per GPU (default: GPU 0's, if any)")
+    p.add_argument("--json", metavar="PATH", help="also write the plan as JSON to PATH")
+    p.set_defaults(handler=_plan_command)
+
+
+def _plan_command(args) -> int:
+    import dataclasses
+
+    import torch
+
+    from fxfuse.models.config import ModelConfig
+    from fxfuse.models.presets import get_preset
+    from fxfuse.models.quant.scheme import checkpoint_format
+    from fxfuse.runner.memory_plan import PlanError, PlanInputs, device_memory_bytes, plan_memory
+
+    if args.checkpoint:
+        with open(f"{args.checkpoint}/config.json") as f:
+            hf = json.load(f)
+        config, name, stored = ModelConfig.from_hf_dict(hf), args.checkpoint, checkpoint_format(hf)
+        if args.layers is not None:
+            config = dataclasses.replace(config, num_hidden_layers=args.layers)
+    else:
+        name = args.preset or "deepseek-v3"
+        config, stored = get_preset(name, layers=args.layers), checkpoint_format({})
+    config.check_tensor_parallel(args.tp)
+    inputs = PlanInputs(tp=args.tp, weights=args.weights or stored.weights, dtype=getattr(torch, args.dtype), batch=args.batch,
+                        context=args.context, step_tokens=args.tokens, graph_widths=tuple(args.graph_widths),
+                        fused_workspace=True, fp8_block=stored.fp8_block, int4_group=stored.int4_group)
+    plan = plan_memory(config, inputs, name)
+    available = int(args.gpu_memory_gb * 1e9) if args.gpu_memory_gb else (device_memory_bytes() if torch.cuda.is_available() else None)
+    print(plan.table(available))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": name, **{k: str(v) if k == "dtype" else v for k, v in dataclasses.asdict(inputs).items()},
+                       "parts_bytes": plan.parts, "total_bytes": plan.total_bytes, "available_bytes": available}, f, indent=2)
+    if available is not None:
+        try:
+            plan.check(available, config)
+        except PlanError as exc:
+            print(f"fxfuse: error: {exc}", file=sys.stderr)
+            return 2
+    return 0
+
+
 def _add_run_parser(commands) -> None:
     from fxfuse.runner.run import BACKENDS, COMPARE_TARGETS, DTYPES, RunOptions
 
@@ -121,6 +184,8 @@ def _add_run_parser(commands) -> None:
     p.add_argument("--graph-widths", type=_int_list, default=d.graph_widths, metavar="W,W,...",
                    help=f"step widths (tokens per sequence) that get a CUDA graph (default {','.join(map(str, d.graph_widths))})")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the random weights and prompt")
+    p.add_argument("--weights", choices=("bf16", "fp8", "int4"), default=d.weights,
+                   help="keep weights in bf16 (dequantize on load; default), FP8 blocks or INT4 experts (see `fxfuse plan`)")
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON to PATH")
     p.set_defaults(handler=_run_command)
 
@@ -133,7 +198,7 @@ def _run_command(args) -> int:
         preset=preset, checkpoint=args.checkpoint, layers=args.layers, tp=args.tp, device=args.device,
         backend=args.backend, dtype=args.dtype, batch=args.batch, prompt_len=args.prompt_len,
         tokens_per_step=args.tokens_per_step, steps=args.steps, compare=args.compare, seed=args.seed,
-        cuda_graph=args.cuda_graph, graph_widths=args.graph_widths,
+        cuda_graph=args.cuda_graph, graph_widths=args.graph_widths, weights=args.weights,
     )
     summary = run(options)
     if summary["rank"] != 0:  # a torchrun rank other than 0: rank 0 reports

@@ -61,6 +61,7 @@ class ModelBenchConfig:
     device: str
     time_budget_s: float | None
     seed: int = 0
+    weights: str = "bf16"
 
 
 class BenchInputError(ValueError):
@@ -84,6 +85,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="stop capturing new points after this many seconds and report what was measured")
     p.add_argument("--out-dir", type=Path, default=Path("bench/results"), help="where result files go")
+    p.add_argument("--weights", choices=("bf16", "fp8", "int4"), default="bf16",
+                   help="random weights kept in bf16, as FP8 blocks or as INT4 routed experts (FXFUSE_FP8_GEMM picks the FP8 GEMM)")
     return p.parse_args(argv)
 
 
@@ -117,7 +120,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[ModelBenchConfig, int]:
     bench = ModelBenchConfig(
         preset=args.preset, layers=args.layers, tokens=tuple(sorted(set(tokens))), batches=tuple(sorted(set(batches))),
         backends=tuple(b for b in BACKENDS if b in backends), dtype=args.dtype, context=args.context,
-        repeats=args.repeats, iters=args.iters, device=args.device, time_budget_s=args.time_budget_s,
+        repeats=args.repeats, iters=args.iters, device=args.device, time_budget_s=args.time_budget_s, weights=args.weights,
     )
     return bench, tp
 
@@ -176,9 +179,12 @@ def bench_rank(ctx, config: ModelBenchConfig) -> dict | None:
     device = torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" else torch.device("cpu")
     dtype = getattr(torch, config.dtype)
     model_config = get_preset(config.preset, layers=config.layers)
-    with progress.phase(f"building {config.preset} ({config.layers} layers, random weights) on {device}"):
+    from fxfuse.runner.quant_setup import bench_scheme
+
+    with progress.phase(f"building {config.preset} ({config.layers} layers, random {config.weights} weights) on {device}"):
         model = DeepseekV3ForCausalLM(
-            model_config, ctx, dtype=dtype, device=device, max_batch=max(config.batches), max_seq_len=config.context
+            model_config, ctx, dtype=dtype, device=device, max_batch=max(config.batches), max_seq_len=config.context,
+            quant=bench_scheme(config.weights),
         )
         init_random_shards(model, config.seed, ctx)
         model.eval()
@@ -199,7 +205,10 @@ def bench_rank(ctx, config: ModelBenchConfig) -> dict | None:
     if ctx.rank != 0:
         return None
     fusion = (compiled["fxfuse"] if "fxfuse" in compiled else compile_step(model, "eager")).fusion_summary()
-    return _report(config, ctx.world_size, device, rows, collective_rows, fusion, fused_kernel_ready)
+    report = _report(config, ctx.world_size, device, rows, collective_rows, fusion, fused_kernel_ready)
+    report["weight_gb"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
+    report["peak_gpu_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+    return report
 
 
 def _bench_batch(ctx, config, model, compiled: dict[str, CompiledStep], batch: int, device, clock, progress) -> list[dict]:

@@ -52,6 +52,7 @@ class RunOptions:
     seed: int = 0
     cuda_graph: bool | None = None
     graph_widths: tuple[int, ...] = DEFAULT_WIDTHS
+    weights: str = "bf16"
 
 
 def run(options: RunOptions) -> dict:
@@ -128,6 +129,7 @@ def run_rank(ctx: ParallelContext, setup: RunSetup) -> dict:
         "device": options.device,
         "backend": options.backend,
         "dtype": options.dtype,
+        "weights": options.weights,
         "model": setup.model_name,
         "layers": setup.config.num_hidden_layers,
         "batch": options.batch,

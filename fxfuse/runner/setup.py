@@ -5,7 +5,8 @@ source, model name, whether and for which widths CUDA graphs are captured) or ra
 with a message that names the problem: unknown preset, unreadable checkpoint, tp size that does
 not divide the model, CUDA asked where there is none, more GPUs asked than present, bad backend or
 dtype, CUDA graphs without CUDA, a step width above 128 or a KV cache longer than the model
-allows. `RunSetup` then builds the model and the comparison reference on each rank.
+allows, a weight format the checkpoint is not in, a run that does not fit the GPU (memory plan).
+`RunSetup` then builds the model and the comparison reference on each rank.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ from fxfuse.models.config import ModelConfig
 from fxfuse.models.deepseek_v3 import DeepseekV3ForCausalLM
 from fxfuse.models.parallel import ParallelContext
 from fxfuse.models.presets import PRESETS, get_preset
+from fxfuse.models.quant.checkpoint import quantize_state_dict
+from fxfuse.models.quant.scheme import QuantScheme
 from fxfuse.models.random_weights import init_random_shards, random_hf_state_dict
+from fxfuse.runner.quant_setup import check_fits, weight_scheme
 from fxfuse.runner.step_backends import BACKENDS
 from fxfuse.models.weights import DictSource, SafetensorsSource, load_weights
 
@@ -49,6 +53,7 @@ class RunSetup:
     full_random_state: bool
     cuda_graph: bool = False
     graph_widths: tuple[int, ...] = ()
+    quant: QuantScheme = QuantScheme()
 
     @property
     def max_seq_len(self) -> int:
@@ -60,12 +65,14 @@ class RunSetup:
         """This rank's shard of the model, weights loaded (checkpoint or deterministic random)."""
         o = self.options
         model = DeepseekV3ForCausalLM(
-            self.config, ctx, dtype=_dtype(o.dtype), device=device, max_batch=o.batch, max_seq_len=self.max_seq_len
+            self.config, ctx, dtype=_dtype(o.dtype), device=device, max_batch=o.batch, max_seq_len=self.max_seq_len,
+            quant=self.quant,
         )
         if o.checkpoint:
             load_weights(model, SafetensorsSource(o.checkpoint), ctx)
         elif self.full_random_state:
-            load_weights(model, DictSource(random_hf_state_dict(self.config, o.seed)), ctx)
+            state = quantize_state_dict(random_hf_state_dict(self.config, o.seed), self.quant)
+            load_weights(model, DictSource(state, config=self.quant.checkpoint_config()), ctx)
         else:
             init_random_shards(model, o.seed, ctx)
         return model.eval()
@@ -116,9 +123,14 @@ def prepare_run(options) -> RunSetup:
     full_random = not options.checkpoint and config.num_parameters() <= FULL_RANDOM_STATE_LIMIT
     if options.compare == "hf" and not (options.checkpoint or full_random):
         raise RunError(f"--compare hf needs a checkpoint or a model under {FULL_RANDOM_STATE_LIMIT:,} parameters")
+    try:
+        quant = weight_scheme(options, config)
+        check_fits(options, config, name, quant, graph_widths, cache_len)
+    except ValueError as exc:
+        raise RunError(str(exc)) from exc
     return RunSetup(
         options=options, config=config, model_name=name, full_random_state=full_random,
-        cuda_graph=cuda_graph, graph_widths=graph_widths,
+        cuda_graph=cuda_graph, graph_widths=graph_widths, quant=quant,
     )
 
 
