@@ -59,8 +59,11 @@ def init_random_shards(model: torch.nn.Module, seed: int, ctx: ParallelContext) 
                 param.normal_(mean, std, generator=generator)
                 continue
             shape = _unpacked_shape(param, params[companion])
-            values = torch.empty(shape, dtype=torch.float32, device=param.device).normal_(mean, std, generator=generator)
-            quantize_into(param, params[companion], values, model.quant)
+            for index in range(shape[0]) if len(shape) == 3 else (None,):  # stacked experts: one at a time
+                part = shape[1:] if index is not None else shape
+                values = torch.empty(part, dtype=torch.float32, device=param.device).normal_(mean, std, generator=generator)
+                target = (param, params[companion]) if index is None else (param[index], params[companion][index])
+                quantize_into(*target, values, model.quant)
 
 
 def _unpacked_shape(param: torch.Tensor, scale: torch.Tensor) -> tuple[int, ...]:
