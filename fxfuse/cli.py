@@ -122,6 +122,7 @@ def _add_plan_parser(commands) -> None:
 
 def _plan_command(args) -> int:
     import dataclasses
+    import os
 
     import torch
 
@@ -131,7 +132,10 @@ def _plan_command(args) -> int:
     from fxfuse.runner.memory_plan import PlanError, PlanInputs, device_memory_bytes, plan_memory
 
     if args.checkpoint:
-        with open(f"{args.checkpoint}/config.json") as f:
+        path = os.path.join(args.checkpoint, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"checkpoint directory {args.checkpoint!r} has no config.json")
+        with open(path) as f:
             hf = json.load(f)
         config, name, stored = ModelConfig.from_hf_dict(hf), args.checkpoint, checkpoint_format(hf)
         if args.layers is not None:

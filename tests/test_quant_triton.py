@@ -14,7 +14,7 @@ import torch
 from fxfuse.models.fp8 import quantize_blocks
 from fxfuse.models.quant import reference
 from fxfuse.models.quant.int4 import pack_int4, quantize_groups
-from fxfuse.models.quant.ops import _experts_cuda
+from fxfuse.models.quant.ops import triton_experts, triton_fp8_linear
 from fxfuse.models.quant.triton_gemm import dense_tiles, expert_tiles, quant_matmul
 
 #: Relative error (max |diff| / max |ref|) of the kernel against the float32 reference: float32
@@ -46,11 +46,10 @@ def test_dense_fp8_w8a16_and_w8a8(dtype):
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(19, 96, generator=generator).to(dtype)
     fp8, scale_inv = quantize_blocks(torch.randn(72, 96, generator=generator), (16, 32))  # N = 72: a partial scale row
-    out = dense(x, None, fp8, scale_inv, 19, dtype, int4=False, block=(16, 32))
-    assert relative(out, reference.fp8_linear_reference(x.float(), fp8, scale_inv, (16, 32), "w8a16")) <= TOLERANCE[dtype]
-    quantized, act_scale = reference.quantize_activations(x, 32)
-    out = dense(quantized, act_scale, fp8, scale_inv, 19, dtype, int4=False, block=(16, 32))
-    assert relative(out, reference.fp8_linear_reference(x.float(), fp8, scale_inv, (16, 32), "w8a8")) <= TOLERANCE[dtype]
+    for gemm in ("w8a16", "w8a8"):  # the dense CUDA path of fxfuse_quant::fp8_linear (activation quantization included)
+        out = triton_fp8_linear(x, fp8, scale_inv, (16, 32), gemm)
+        assert out.dtype == dtype
+        assert relative(out, reference.fp8_linear_reference(x.float(), fp8, scale_inv, (16, 32), gemm)) <= TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -87,7 +86,7 @@ def test_grouped_experts_match_reference(fmt, gemm, dtype):
     ids = torch.stack([torch.tensor([0, 1 + t % 4]) for t in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=generator)
     stacked = stacked_weights(fmt, experts, hidden, inter, generator)
-    got = _experts_cuda(x, ids, weights, stacked, fmt, (16, 16), gemm)
+    got = triton_experts(x, ids, weights, stacked, fmt, (16, 16), gemm)
     expected = reference.quant_experts_reference(x.float(), ids, weights, stacked, fmt, (16, 16), gemm)
     bound = W8A8_FP16_EXPERTS if (gemm, dtype) == ("w8a8", torch.float16) else TOLERANCE[dtype]
     assert got.dtype == dtype and relative(got, expected) <= bound

@@ -32,20 +32,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, b
     if gemm == "w8a8":
         from fxfuse.models.quant.scaled_mm import blockwise_scaled_mm_works, scaled_mm_linear
 
-        quantized, act_scale = reference.quantize_activations(flat, block_k)
         if blockwise_scaled_mm_works(x.device) and block == (128, 128):
+            quantized, act_scale = reference.quantize_activations(flat, block_k)
             out = scaled_mm_linear(quantized, act_scale, weight, scale_inv, x.dtype)
             return out.view(*x.shape[:-1], weight.shape[0])
-        a, a_scale = quantized, act_scale
-    else:
-        a, a_scale = flat.contiguous(), None
-    rows = flat.shape[0]
-    block_m = block_m_for(rows)
-    out = torch.empty(rows, weight.shape[0], dtype=x.dtype, device=x.device)
-    row_ids = torch.arange(rows, device=x.device, dtype=torch.int32)
-    quant_matmul(a, a_scale, weight, scale_inv, row_ids, dense_tiles(rows, block_m, x.device), out,
-                 int4=False, scale_block=block, block_m=block_m)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return triton_fp8_linear(flat, weight, scale_inv, block, gemm).view(*x.shape[:-1], weight.shape[0])
 
 
 @fp8_linear.register_fake
@@ -64,7 +55,7 @@ def quant_experts(
     stacked = [(gate, gate_scale), (up, up_scale), (down, down_scale)]
     if x.device.type != "cuda":
         return reference.quant_experts_reference(x, expert_ids, weights, stacked, fmt, block, gemm)
-    return _experts_cuda(x, expert_ids, weights, stacked, fmt, block, gemm)
+    return triton_experts(x, expert_ids, weights, stacked, fmt, block, gemm)
 
 
 @quant_experts.register_fake
@@ -72,8 +63,9 @@ def _(x, expert_ids, weights, gate, gate_scale, up, up_scale, down, down_scale, 
     return torch.empty_like(x)
 
 
-def _experts_cuda(x, expert_ids, weights, stacked, fmt: str, block: tuple[int, int], gemm: str) -> torch.Tensor:
-    """Rows sorted by expert, one tiled kernel each for gate, up and down, then the weighted sum per token."""
+def triton_experts(x, expert_ids, weights, stacked, fmt: str, block: tuple[int, int], gemm: str) -> torch.Tensor:
+    """Routed experts by the Triton kernel: rows sorted by expert, one tiled launch each for gate, up and
+    down, then the weighted sum per token (the CUDA path of `quant_experts`; any device under the interpreter)."""
     (gate, gate_scale), (up, up_scale), (down, down_scale) = stacked
     order, token_of_row, rows_per_expert = sort_rows_by_expert(expert_ids, gate.shape[0])
     rows = order.shape[0]
@@ -94,3 +86,17 @@ def _experts_cuda(x, expert_ids, weights, stacked, fmt: str, block: tuple[int, i
     hidden = F.silu(gemm_rows(x, token_rows, gate, gate_scale)) * gemm_rows(x, token_rows, up, up_scale)
     out = gemm_rows(hidden, torch.arange(rows, device=x.device, dtype=torch.int32), down, down_scale)
     return combine_rows(out, order, token_of_row, weights, x.shape[0]).to(x.dtype)
+
+
+def triton_fp8_linear(flat: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], gemm: str) -> torch.Tensor:
+    """x [M, K] @ FP8 weight^T by the Triton kernel: bf16 activations ("w8a16") or FP8 per token group ("w8a8")."""
+    if gemm == "w8a8":
+        a, a_scale = reference.quantize_activations(flat, block[1])
+    else:
+        a, a_scale = flat.contiguous(), None
+    rows = flat.shape[0]
+    block_m = block_m_for(rows)
+    out = torch.empty(rows, weight.shape[0], dtype=flat.dtype, device=flat.device)
+    row_ids = torch.arange(rows, device=flat.device, dtype=torch.int32)
+    return quant_matmul(a, a_scale, weight, scale_inv, row_ids, dense_tiles(rows, block_m, flat.device), out,
+                        int4=False, scale_block=block, block_m=block_m)
