@@ -62,7 +62,7 @@ class QuantizableLinear(nn.Module):
         local = (out_features, in_features)
         if shard_dim is not None and world_size > 1 and local[shard_dim] % self.fp8_block[shard_dim]:
             raise ValueError(
-                f"cannot keep {what} weights FP8 at tensor-parallel size {world_size}: each rank's {local[shard_dim]} "
+                f"cannot keep FP8 weights split by {what} at tensor-parallel size {world_size}: each rank's {local[shard_dim]} "
                 f"{'rows' if shard_dim == 0 else 'columns'} do not fill whole {self.fp8_block[0]}x{self.fp8_block[1]} "
                 "blocks (use --weights bf16 to dequantize on load)"
             )

@@ -105,4 +105,4 @@ def test_plan_command_prints_and_exits_by_fit(tmp_path, capsys):
 
 def test_run_refuses_a_layout_tp_cannot_split_before_starting_ranks(capsys):
     assert main(["run", "--weights", "fp8", "--tp", "2"]) == 2
-    assert "cannot keep num_attention_heads weights FP8 at tensor-parallel size 2" in capsys.readouterr().err
+    assert "cannot keep FP8 weights split by num_attention_heads at tensor-parallel size 2: each rank's 48 rows" in capsys.readouterr().err
