@@ -1,4 +1,4 @@
-"""Command-line interface: `fxfuse run`, `fxfuse report`, `fxfuse bench` (and `python -m fxfuse ...`).
+"""Command-line interface: `fxfuse run`, `report`, `bench`, `plan`, `tune` (and `python -m fxfuse ...`).
 
 Arguments are parsed, and output paths checked, before torch is imported, so `--help` and bad
 input answer at once. Each subcommand is one `_add_<name>_parser` function that declares its
@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import os
 import sys
 
 from fxfuse.command_line import CommandParser, at_least, check_output_file, int_list, write_json
 from fxfuse.runner.errors import RankFailed
+from fxfuse.models.quant.scheme import WEIGHT_FORMATS
 from fxfuse.runner.options import (
     BACKENDS, COMPARE_TARGETS, DEFAULT_WIDTHS, DEVICES, DTYPE_BYTES, MAX_STEP_WIDTH, RunOptions,
 )
@@ -29,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_parser(commands)
     _add_report_parser(commands)
     _add_bench_parser(commands)
+    _add_plan_parser(commands)
     _add_tune_parser(commands)
     parser.set_defaults(handler=None, command_parser=parser, missing=f"choose a command: {', '.join(commands.choices)}")
     return parser
@@ -84,6 +88,9 @@ def _add_run_parser(commands) -> None:
     p.add_argument("--graph-widths", type=int_list(1, MAX_STEP_WIDTH), default=d.graph_widths, metavar="W,W,...",
                    help=f"step widths (tokens per sequence) that get a CUDA graph (default {','.join(map(str, DEFAULT_WIDTHS))})")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed of the random weights and prompt (default {d.seed})")
+    p.add_argument("--weights", choices=WEIGHT_FORMATS, default=d.weights,
+                   help="keep weights in bf16 (dequantized on load), FP8 blocks or INT4 experts; see `fxfuse plan` "
+                        f"(default {d.weights})")
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON to PATH (default: none)")
 
 
@@ -97,7 +104,7 @@ def _run_command(args) -> int:
         preset=preset, checkpoint=args.checkpoint, layers=args.layers, tp=args.tp, device=args.device,
         backend=args.backend, dtype=args.dtype, batch=args.batch, prompt_len=args.prompt_len,
         tokens_per_step=args.tokens_per_step, steps=args.steps, compare=args.compare, seed=args.seed,
-        cuda_graph=args.cuda_graph, graph_widths=args.graph_widths,
+        cuda_graph=args.cuda_graph, graph_widths=args.graph_widths, weights=args.weights,
     )
     setup = prepare_run(options)  # every check that needs no rank, before torch is imported
 
@@ -214,6 +221,66 @@ def _add_bench_parser(commands) -> None:
     for name, (_, text, declare) in BENCHMARKS.items():
         bench = _subcommand(names, name, _bench_command, help=text, description=text)
         getattr(arguments, declare)(bench)
+
+
+def _add_plan_parser(commands) -> None:
+    p = _subcommand(commands, "plan", _plan_command,
+                    help="per-rank memory of a run: weights, KV cache, workspaces, activations (no GPU needed)",
+                    description="Per-rank memory plan of a run (no weights loaded, no GPU needed). Exits 2 with what "
+                                "would fit when it does not fit --gpu-memory-gb (default: GPU 0's memory, if any).")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--preset", default=None, help="built-in model config (default deepseek-v3)")
+    source.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (config.json only; default: none)")
+    p.add_argument("--layers", type=at_least(1), default=None, metavar="N", help="keep full width but only the first N layers (default: all)")
+    p.add_argument("--tp", type=at_least(1), default=8, help="tensor parallel size (default 8)")
+    p.add_argument("--weights", choices=WEIGHT_FORMATS, default=None,
+                   help="weight format (default: the checkpoint's, bf16 for presets)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16", help="activations and unquantized weights (default bfloat16)")
+    p.add_argument("--batch", type=at_least(1), default=8, help="sequences per step (default 8)")
+    p.add_argument("--context", type=at_least(1), default=4096, help="KV-cache positions per sequence (default 4096)")
+    p.add_argument("--tokens", type=at_least(1), default=128, help="widest step, tokens per sequence (default 128)")
+    p.add_argument("--graph-widths", type=int_list(1, MAX_STEP_WIDTH), default=DEFAULT_WIDTHS, metavar="W,W,...",
+                   help=f"captured CUDA-graph widths (default {','.join(map(str, DEFAULT_WIDTHS))})")
+    p.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per GPU (default: GPU 0's, if any)")
+    p.add_argument("--json", metavar="PATH", help="also write the plan as JSON to PATH (default: none)")
+
+
+def _plan_command(args) -> int:
+    import dataclasses
+
+    import torch
+
+    from fxfuse.models.presets import get_preset
+    from fxfuse.models.quant.scheme import checkpoint_format
+    from fxfuse.runner.memory_plan import PlanError, PlanInputs, device_memory_bytes, plan_memory
+    from fxfuse.runner.options import resolve_model
+
+    if args.json:
+        check_output_file(args.json, "--json")
+    if args.checkpoint:
+        config, name = resolve_model(None, args.checkpoint, args.layers)
+        with open(os.path.join(args.checkpoint, "config.json")) as f:
+            stored = checkpoint_format(json.load(f))
+    else:
+        name = args.preset or "deepseek-v3"
+        config, stored = get_preset(name, layers=args.layers), checkpoint_format({})
+    config.check_tensor_parallel(args.tp)
+    inputs = PlanInputs(tp=args.tp, weights=args.weights or stored.weights, dtype=getattr(torch, args.dtype), batch=args.batch,
+                        context=args.context, step_tokens=args.tokens, graph_widths=tuple(args.graph_widths),
+                        fused_workspace=True, fp8_block=stored.fp8_block, int4_group=stored.int4_group)
+    plan = plan_memory(config, inputs, name)
+    available = int(args.gpu_memory_gb * 1e9) if args.gpu_memory_gb else (device_memory_bytes() if torch.cuda.is_available() else None)
+    print(plan.table(available))
+    if args.json:
+        write_json(args.json, {"model": name, **{k: str(v) if k == "dtype" else v for k, v in dataclasses.asdict(inputs).items()},
+                               "parts_bytes": plan.parts, "total_bytes": plan.total_bytes, "available_bytes": available})
+    if available is not None:
+        try:
+            plan.check(available, config)
+        except PlanError as exc:
+            print(f"fxfuse: error: {exc}", file=sys.stderr)
+            return 2
+    return 0
 
 
 def _add_tune_parser(commands) -> None:

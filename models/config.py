@@ -187,7 +187,13 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Config from a Hugging Face config.json dict (old or transformers-5 rope spelling)."""
+        """Config from a Hugging Face config.json dict (old or transformers-5 rope spelling).
+
+        A multimodal wrapper's config (Kimi-K2.5: `KimiK25ForConditionalGeneration` with the
+        DeepSeek-V3 text model in `text_config`) gives its text model's config.
+        """
+        if isinstance(hf.get("text_config"), dict):
+            hf = hf["text_config"]
         if hf.get("num_key_value_heads") not in (None, hf.get("num_attention_heads", cls.num_attention_heads)):
             raise ValueError("MLA needs num_key_value_heads == num_attention_heads")
         if hf.get("attention_bias"):

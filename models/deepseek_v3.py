@@ -24,6 +24,7 @@ from fxfuse.models.mla_attention import MLAttention
 from fxfuse.models.mlp import ParallelGatedMLP
 from fxfuse.models.moe import MoE
 from fxfuse.models.parallel import ParallelContext
+from fxfuse.models.quant.scheme import QuantScheme
 from fxfuse.models.rope import cos_sin_tables
 
 
@@ -41,18 +42,19 @@ class DecoderLayer(nn.Module):
         expert_impl: str,
         dtype: torch.dtype,
         device=None,
+        quant: QuantScheme | None = None,
     ) -> None:
         super().__init__()
         self.ctx = ctx
         factory = dict(dtype=dtype, device=device)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.self_attn = MLAttention(config, ctx, max_batch=max_batch, max_seq_len=max_seq_len, **factory)
+        self.self_attn = MLAttention(config, ctx, max_batch=max_batch, max_seq_len=max_seq_len, quant=quant, **factory)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
         if config.is_moe_layer(layer_idx):
-            self.mlp = MoE(config, ctx, expert_impl=expert_impl, **factory)
+            self.mlp = MoE(config, ctx, expert_impl=expert_impl, quant=quant, **factory)
         else:
             self.mlp = ParallelGatedMLP(
-                config.hidden_size, config.intermediate_size, ctx, what="intermediate_size", **factory
+                config.hidden_size, config.intermediate_size, ctx, what="intermediate_size", quant=quant, **factory
             )
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -78,13 +80,15 @@ class DeepseekV3Model(nn.Module):
         expert_impl: str,
         dtype: torch.dtype,
         device=None,
+        quant: QuantScheme | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
             DecoderLayer(
-                config, i, ctx, max_batch=max_batch, max_seq_len=max_seq_len, expert_impl=expert_impl, dtype=dtype, device=device
+                config, i, ctx, max_batch=max_batch, max_seq_len=max_seq_len, expert_impl=expert_impl, dtype=dtype,
+                device=device, quant=quant,
             )
             for i in range(config.num_hidden_layers)
         )
@@ -108,8 +112,11 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     `max_batch` and `max_seq_len` size the cache: a forward takes B <= max_batch rows and
     positions < max_seq_len. `expert_impl` picks the routed-expert kernel ("auto": grouped mm for
-    bf16 on CUDA, dense otherwise; see models/moe.py). Weights start uninitialized: fill them with
-    `fxfuse.models.weights.load_weights` or `fxfuse.models.random_weights.init_random_shards`.
+    bf16 on CUDA, dense otherwise; see models/moe.py). `quant` keeps weights quantized ("fp8":
+    DeepSeek-V3's block FP8 in every decoder projection but kv_b_proj; "int4": Kimi-K2.5's packed routed
+    experts; see models/quant/scheme.py); None or "bf16" holds everything in `dtype`. Weights start
+    uninitialized: fill them with `fxfuse.models.weights.load_weights` or
+    `fxfuse.models.random_weights.init_random_shards`.
     """
 
     def __init__(
@@ -122,6 +129,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         max_batch: int = 1,
         max_seq_len: int = 4096,
         expert_impl: str = "auto",
+        quant: QuantScheme | None = None,
     ) -> None:
         super().__init__()
         config.check_tensor_parallel(ctx.world_size)
@@ -131,8 +139,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.ctx = ctx
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
+        self.quant = quant or QuantScheme()
         self.model = DeepseekV3Model(
-            config, ctx, max_batch=max_batch, max_seq_len=max_seq_len, expert_impl=expert_impl, dtype=dtype, device=device
+            config, ctx, max_batch=max_batch, max_seq_len=max_seq_len, expert_impl=expert_impl, dtype=dtype, device=device,
+            quant=self.quant,
         )
         if config.tie_word_embeddings:
             self.lm_head = ColumnParallelLinear(config.hidden_size, config.vocab_size, ctx, what="vocab_size", device="meta", dtype=dtype)

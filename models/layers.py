@@ -1,7 +1,9 @@
 """Tensor-parallel building blocks: RMSNorm, vocab-parallel embedding, replicated/column/row linears.
 
 Each layer owns only this rank's slice of its weight, tagged with `mark_shard` by the checkpoint
-dimension it is cut along, so the loader can fill it. Weights are created uninitialized
+dimension it is cut along, so the loader can fill it. Given a `QuantScheme` whose format is "fp8",
+a linear keeps its weight as `float8_e4m3fn` with its `weight_scale_inv` block grid (the checkpoint's
+names and layout) and multiplies with `fxfuse_quant::fp8_linear`. Weights are created uninitialized
 (`torch.empty`) and never require grad: this is an inference model that a checkpoint or
 `random_weights` fills. Row-parallel outputs are partial sums; the caller adds them up with its
 one `ctx.all_reduce`, so each block decides where its single reduction happens.
@@ -13,7 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fxfuse.models.fp8 import FP8_DTYPE, scale_shape
 from fxfuse.models.parallel import ParallelContext
+from fxfuse.models.quant.ops import fp8_linear
+from fxfuse.models.quant.scheme import QuantScheme
 from fxfuse.models.sharding import mark_shard
 
 
@@ -39,43 +44,64 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(input_dtype)
 
 
-class ReplicatedLinear(nn.Module):
-    """y = x W^T with the whole weight [out, in] on every rank."""
+class QuantizableLinear(nn.Module):
+    """y = x W^T for a weight of local shape [out, in] split along checkpoint dim `shard_dim`.
 
-    def __init__(self, in_features: int, out_features: int, *, dtype: torch.dtype, device=None) -> None:
+    With an FP8 `quant` scheme the weight is FP8 with per-block float32 `weight_scale_inv`; every
+    rank's slice must then cover whole blocks (ValueError otherwise, naming `what`).
+    """
+
+    def __init__(self, out_features: int, in_features: int, shard_dim: int | None, *, world_size: int, what: str,
+                 dtype: torch.dtype, device=None, quant: QuantScheme | None = None) -> None:
         super().__init__()
-        self.weight = empty_parameter((out_features, in_features), None, dtype, device)
+        self.fp8_block = quant.fp8_block if quant is not None and quant.fp8_dense else None
+        if self.fp8_block is None:
+            self.weight = empty_parameter((out_features, in_features), shard_dim, dtype, device)
+            return
+        self.fp8_gemm = quant.fp8_gemm
+        local = (out_features, in_features)
+        if shard_dim is not None and world_size > 1 and local[shard_dim] % self.fp8_block[shard_dim]:
+            raise ValueError(
+                f"cannot keep FP8 weights split by {what} at tensor-parallel size {world_size}: each rank's {local[shard_dim]} "
+                f"{'rows' if shard_dim == 0 else 'columns'} do not fill whole {self.fp8_block[0]}x{self.fp8_block[1]} "
+                "blocks (use --weights bf16 to dequantize on load)"
+            )
+        self.weight = empty_parameter(local, shard_dim, FP8_DTYPE, device)
+        self.weight_scale_inv = empty_parameter(scale_shape(local, self.fp8_block), shard_dim, torch.float32, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        if self.fp8_block is None:
+            return F.linear(x, self.weight)
+        return fp8_linear(x, self.weight, self.weight_scale_inv, *self.fp8_block, self.fp8_gemm)
 
 
-class ColumnParallelLinear(nn.Module):
+class ReplicatedLinear(QuantizableLinear):
+    """y = x W^T with the whole weight [out, in] on every rank."""
+
+    def __init__(self, in_features: int, out_features: int, *, dtype: torch.dtype, device=None, quant: QuantScheme | None = None) -> None:
+        super().__init__(out_features, in_features, None, world_size=1, what="replicated", dtype=dtype, device=device, quant=quant)
+
+
+class ColumnParallelLinear(QuantizableLinear):
     """y_local = x W_local^T: this rank's rows of the weight, i.e. its slice of the output features."""
 
     def __init__(
-        self, in_features: int, out_features: int, ctx: ParallelContext, *, what: str, dtype: torch.dtype, device=None
+        self, in_features: int, out_features: int, ctx: ParallelContext, *, what: str, dtype: torch.dtype, device=None,
+        quant: QuantScheme | None = None,
     ) -> None:
-        super().__init__()
         local_out = ctx.shard(out_features, what)
-        self.weight = empty_parameter((local_out, in_features), 0, dtype, device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        super().__init__(local_out, in_features, 0, world_size=ctx.world_size, what=what, dtype=dtype, device=device, quant=quant)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(QuantizableLinear):
     """Partial y = x_local W_local^T over this rank's input features; the caller all-reduces it."""
 
     def __init__(
-        self, in_features: int, out_features: int, ctx: ParallelContext, *, what: str, dtype: torch.dtype, device=None
+        self, in_features: int, out_features: int, ctx: ParallelContext, *, what: str, dtype: torch.dtype, device=None,
+        quant: QuantScheme | None = None,
     ) -> None:
-        super().__init__()
         local_in = ctx.shard(in_features, what)
-        self.weight = empty_parameter((out_features, local_in), 1, dtype, device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        super().__init__(out_features, local_in, 1, world_size=ctx.world_size, what=what, dtype=dtype, device=device, quant=quant)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -5,7 +5,9 @@ DeepSeek's reference inference code: the key up-projection (kv_b_proj's key rows
 the query and the value up-projection is applied after attending, so every step attends directly
 over the cached latents and never expands per-head keys/values. It attends over the whole static
 cache with a position mask (key position <= query position), so shapes depend only on the batch
-and step width, never on how much of the cache is filled.
+and step width, never on how much of the cache is filled. With an FP8 scheme every projection keeps
+FP8 weights except kv_b_proj: its weight is used directly in the absorbed form, so it is held in the
+model dtype (dequantized on load).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from fxfuse.models.config import ModelConfig
 from fxfuse.models.kv_cache import MLACache
 from fxfuse.models.layers import ColumnParallelLinear, ReplicatedLinear, RMSNorm, RowParallelLinear
 from fxfuse.models.parallel import ParallelContext
+from fxfuse.models.quant.scheme import QuantScheme
 from fxfuse.models.rope import apply_rotary
 
 #: transformers builds q_a_layernorm / kv_a_layernorm with DeepseekV3RMSNorm's default eps, not
@@ -29,7 +32,8 @@ class MLAttention(nn.Module):
     """This rank's heads of MLA; returns the o_proj partial sum for the caller to all-reduce."""
 
     def __init__(
-        self, config: ModelConfig, ctx: ParallelContext, *, max_batch: int, max_seq_len: int, dtype: torch.dtype, device=None
+        self, config: ModelConfig, ctx: ParallelContext, *, max_batch: int, max_seq_len: int, dtype: torch.dtype, device=None,
+        quant: QuantScheme | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -39,20 +43,21 @@ class MLAttention(nn.Module):
         self.local_heads = ctx.shard(config.num_attention_heads, "num_attention_heads")
         heads, hidden = config.num_attention_heads, config.hidden_size
         factory = dict(dtype=dtype, device=device)
+        quantized = dict(factory, quant=quant)
         if config.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(hidden, heads * config.qk_head_dim, ctx, what="num_attention_heads", **factory)
+            self.q_proj = ColumnParallelLinear(hidden, heads * config.qk_head_dim, ctx, what="num_attention_heads", **quantized)
         else:
-            self.q_a_proj = ReplicatedLinear(hidden, config.q_lora_rank, **factory)
+            self.q_a_proj = ReplicatedLinear(hidden, config.q_lora_rank, **quantized)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS, **factory)
             self.q_b_proj = ColumnParallelLinear(
-                config.q_lora_rank, heads * config.qk_head_dim, ctx, what="num_attention_heads", **factory
+                config.q_lora_rank, heads * config.qk_head_dim, ctx, what="num_attention_heads", **quantized
             )
-        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, config.kv_lora_rank + config.qk_rope_head_dim, **factory)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, config.kv_lora_rank + config.qk_rope_head_dim, **quantized)
         self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, LATENT_NORM_EPS, **factory)
         self.kv_b_proj = ColumnParallelLinear(
             config.kv_lora_rank, heads * (config.qk_nope_head_dim + config.v_head_dim), ctx, what="num_attention_heads", **factory
         )
-        self.o_proj = RowParallelLinear(heads * config.v_head_dim, hidden, ctx, what="num_attention_heads", **factory)
+        self.o_proj = RowParallelLinear(heads * config.v_head_dim, hidden, ctx, what="num_attention_heads", **quantized)
         self.cache = MLACache(max_batch, max_seq_len, config.kv_lora_rank, config.qk_rope_head_dim, **factory)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

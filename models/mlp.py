@@ -1,7 +1,8 @@
 """SwiGLU feed-forward block split across ranks by its intermediate dimension.
 
 Used for the dense layers (the first `first_k_dense_replace`) and for the MoE shared experts.
-Returns this rank's partial sum; the owner of the block all-reduces it.
+Returns this rank's partial sum; the owner of the block all-reduces it. With an FP8 scheme its three
+projections keep FP8 weights (models/layers.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from torch import nn
 
 from fxfuse.models.layers import ColumnParallelLinear, RowParallelLinear
 from fxfuse.models.parallel import ParallelContext
+from fxfuse.models.quant.scheme import QuantScheme
 
 
 class ParallelGatedMLP(nn.Module):
@@ -26,9 +28,10 @@ class ParallelGatedMLP(nn.Module):
         what: str,
         dtype: torch.dtype,
         device=None,
+        quant: QuantScheme | None = None,
     ) -> None:
         super().__init__()
-        linear = dict(what=what, dtype=dtype, device=device)
+        linear = dict(what=what, dtype=dtype, device=device, quant=quant)
         self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, ctx, **linear)
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, ctx, **linear)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, ctx, **linear)

@@ -22,9 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxfuse.models.config import ModelConfig
+from fxfuse.models.expert_math import dense_experts, grouped_experts
 from fxfuse.models.layers import empty_parameter
 from fxfuse.models.mlp import ParallelGatedMLP
 from fxfuse.models.parallel import ParallelContext
+from fxfuse.models.quant.experts import QuantizedRoutedExperts
+from fxfuse.models.quant.scheme import QuantScheme
 
 EXPERT_IMPLS = ("auto", "grouped_mm", "dense")
 
@@ -88,39 +91,25 @@ class RoutedExperts(nn.Module):
         return self._dense(x, expert_ids, weights)
 
     def _dense(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        combine = torch.zeros(x.shape[0], self.gate_proj.shape[0], dtype=torch.float32, device=x.device)
-        combine = combine.scatter(1, expert_ids, weights)
-        gate = torch.einsum("nh,eih->eni", x, self.gate_proj)
-        up = torch.einsum("nh,eih->eni", x, self.up_proj)
-        out = torch.einsum("eni,ehi->enh", F.silu(gate) * up, self.down_proj)
-        return torch.einsum("enh,ne->nh", out.float(), combine).to(x.dtype)
+        return dense_experts(x, expert_ids, weights, self.gate_proj, self.up_proj, self.down_proj)
 
     def _grouped(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        tokens, top_k = expert_ids.shape
-        flat_ids = expert_ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        token_of_row = order // top_k
-        rows_per_expert = torch.zeros(self.gate_proj.shape[0], dtype=torch.int32, device=x.device)
-        rows_per_expert = rows_per_expert.scatter_add(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
-        group_ends = torch.cumsum(rows_per_expert, dim=0, dtype=torch.int32)
-        rows = x[token_of_row]
-        gate = torch._grouped_mm(rows, self.gate_proj.transpose(1, 2), offs=group_ends)
-        up = torch._grouped_mm(rows, self.up_proj.transpose(1, 2), offs=group_ends)
-        out = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=group_ends)
-        out = out.float() * weights.reshape(-1)[order].unsqueeze(1)
-        combined = torch.zeros(tokens, x.shape[1], dtype=torch.float32, device=x.device)
-        return combined.index_add(0, token_of_row, out).to(x.dtype)
+        return grouped_experts(x, expert_ids, weights, self.gate_proj, self.up_proj, self.down_proj)
 
 
 class MoE(nn.Module):
     """Routed experts plus shared experts; returns this rank's partial sum (caller all-reduces once)."""
 
     def __init__(
-        self, config: ModelConfig, ctx: ParallelContext, *, expert_impl: str, dtype: torch.dtype, device=None
+        self, config: ModelConfig, ctx: ParallelContext, *, expert_impl: str, dtype: torch.dtype, device=None,
+        quant: QuantScheme | None = None,
     ) -> None:
         super().__init__()
         self.gate = TopkRouter(config, device=device)
-        self.experts = RoutedExperts(config, ctx, impl=expert_impl, dtype=dtype, device=device)
+        if quant is not None and quant.experts != "bf16":
+            self.experts = QuantizedRoutedExperts(config, ctx, quant, device=device)
+        else:
+            self.experts = RoutedExperts(config, ctx, impl=expert_impl, dtype=dtype, device=device)
         self.shared_experts = ParallelGatedMLP(
             config.hidden_size,
             config.moe_intermediate_size * config.n_shared_experts,
@@ -128,6 +117,7 @@ class MoE(nn.Module):
             what="moe_intermediate_size * n_shared_experts",
             dtype=dtype,
             device=device,
+            quant=quant,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Named model configurations: a tiny CPU test model and the published DeepSeek-V3 and Kimi-K2 shapes.
+"""Named model configurations: a tiny CPU test model and the published DeepSeek-V3, Kimi-K2 and Kimi-K2.5 shapes.
 
 `get_preset(name, layers=None)` returns a `ModelConfig`; `layers` keeps the full width but
 changes the depth (benchmarks on fewer GPUs, quick traces of the real shapes).
@@ -116,7 +116,32 @@ KIMI_K2 = ModelConfig(
     max_position_embeddings=131072,
 )
 
-_CONFIGS = {"tiny": TINY, "deepseek-v3": DEEPSEEK_V3, "kimi-k2": KIMI_K2}
+#: moonshotai/Kimi-K2.5 (https://huggingface.co/moonshotai/Kimi-K2.5), the text model: `text_config` of its
+#: config.json (KimiK25ForConditionalGeneration wraps a DeepseekV3ForCausalLM; the vision tower and
+#: projector are not part of this model). Source used: a dump of that config.json as transformers 5.7
+#: read it from a local copy of the checkpoint (`KimiK25Config {...}` printed in full, with the
+#: checkpoint's 64 files / 554.3 GB tensor list), found with the code-search tool. Its text_config:
+#: rms_norm_eps 1e-05, rope_theta 50000.0, rope yarn factor 64.0 over original_max_position_embeddings
+#: 4096 with beta_fast 32.0, beta_slow 1.0, mscale 1.0, mscale_all_dim 1.0, max_position_embeddings
+#: 262144, vocab 163840, 61 layers (first_k_dense_replace 1), 64 heads, 384 routed experts, top 8,
+#: 1 shared, n_group 1, topk_group 1, routed_scaling_factor 2.827, norm_topk_prob true, sigmoid /
+#: noaux_tc, num_nextn_predict_layers 0, tie_word_embeddings false. A second copy (mlx-community's
+#: Kimi-K2.5 config slice, quoted in a test of another project) agrees on rms_norm_eps 1e-05, rope_theta
+#: 50000 and yarn factor 64. Third-party copies that disagree (rms_norm_eps 1e-6, rope_theta 10000) are
+#: small test configs, not the checkpoint's. Note beta_fast is 32 here, where Kimi-K2 had 1.0.
+#: Quantization (not part of ModelConfig): compressed-tensors pack-quantized, symmetric INT4, group 32,
+#: ignore = lm_head, self_attn, shared_experts and the dense layer's mlp: the routed experts only.
+KIMI_K25 = replace(
+    KIMI_K2,
+    rms_norm_eps=1e-5,
+    rope_theta=50000.0,
+    rope_scaling=YarnScaling(
+        factor=64.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0
+    ),
+    max_position_embeddings=262144,
+)
+
+_CONFIGS = {"tiny": TINY, "deepseek-v3": DEEPSEEK_V3, "kimi-k2": KIMI_K2, "kimi-k2.5": KIMI_K25}
 
 #: Names `get_preset` accepts.
 PRESETS = tuple(_CONFIGS)

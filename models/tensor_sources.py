@@ -206,3 +206,47 @@ class SafetensorsSource:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+#: Where multimodal wrappers (Kimi-K2.5's KimiK25ForConditionalGeneration) keep the text model's tensors.
+TEXT_MODEL_PREFIX = "language_model."
+
+
+class PrefixedSource:
+    """The tensors of `source` under `prefix`, named without it (a multimodal checkpoint's text model).
+
+    Tensors outside the prefix (a vision tower, a projector) are not visible; `hidden` counts them.
+    """
+
+    def __init__(self, source: TensorSource, prefix: str):
+        self.source, self.prefix = source, prefix
+        self.config = source.config
+        names = source.keys()
+        self._keys = [name[len(prefix):] for name in names if name.startswith(prefix)]
+        self.hidden = len(names) - len(self._keys)
+
+    def keys(self) -> list[str]:
+        """Names of the text model's tensors, without the prefix."""
+        return list(self._keys)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Full shape of tensor `name`."""
+        return self.source.shape(self.prefix + name)
+
+    def dtype(self, name: str) -> torch.dtype:
+        """Stored dtype of tensor `name`."""
+        return self.source.dtype(self.prefix + name)
+
+    def read(self, name: str, slices: tuple[slice, ...]) -> torch.Tensor:
+        """The selected part of tensor `name`."""
+        return self.source.read(self.prefix + name, slices)
+
+
+def text_model_source(source: TensorSource) -> TensorSource:
+    """`source` itself, or its `language_model.` part when the text model's tensors live there."""
+    if isinstance(source, PrefixedSource):
+        return source
+    names = source.keys()
+    if any(name.startswith(TEXT_MODEL_PREFIX + "model.") for name in names) and not any(name.startswith("model.") for name in names):
+        return PrefixedSource(source, TEXT_MODEL_PREFIX)
+    return source

@@ -13,9 +13,13 @@ from fxfuse.runner.options import RunError, RunOptions, prepare_run, resolve_mod
 
 @pytest.fixture
 def two_gpus(monkeypatch):
-    """Pretend this machine has 2 CUDA GPUs (validation only asks torch.cuda how many)."""
+    """Pretend this machine has 2 CUDA GPUs of 141 GB (validation asks torch.cuda how many, and the
+    memory plan how large GPU 0 is)."""
+    from fxfuse.runner import quant_setup
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(quant_setup, "device_memory_bytes", lambda *a: 141 * 10**9)
 
 
 def test_cpu_options_say_what_ran():

@@ -73,6 +73,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="at --tp 1, still issue every all-reduce on the one-rank group and let fxfuse fuse the sites "
                         "(its op then runs its NCCL fallback): the fallback's cost in the whole model, on one GPU "
                         "(default: off)")
+    p.add_argument("--weights", choices=("bf16", "fp8", "int4"), default="bf16",
+                   help="random weights kept in bf16, as FP8 blocks or as INT4 routed experts; FXFUSE_FP8_GEMM picks "
+                        "the FP8 GEMM (default bf16)")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR,
                    help=f"where result files go (default {DEFAULT_OUT_DIR})")
 

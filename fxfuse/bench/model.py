@@ -64,6 +64,7 @@ class ModelBenchConfig:
     time_budget_s: float | None
     seed: int = 0
     single_rank_collectives: bool = False
+    weights: str = "bf16"
 
 
 class BenchInputError(ValueError):
@@ -113,7 +114,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[ModelBenchConfig, int]:
         preset=preset, layers=layers, tokens=tuple(sorted(set(tokens))), batches=tuple(sorted(set(batches))),
         backends=tuple(b for b in BACKENDS if b in backends), dtype=args.dtype, context=context,
         repeats=args.repeats, iters=args.iters, device=args.device, time_budget_s=args.time_budget_s,
-        single_rank_collectives=args.single_rank_collectives,
+        single_rank_collectives=args.single_rank_collectives, weights=args.weights,
     )
     return bench, tp
 
@@ -182,9 +183,12 @@ def bench_rank(ctx, config: ModelBenchConfig) -> dict | None:
     device = torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" else torch.device("cpu")
     dtype = getattr(torch, config.dtype)
     model_config = get_preset(config.preset, layers=config.layers)
-    with progress.phase(f"building {config.preset} ({config.layers} layers, random weights) on {device}"):
+    from fxfuse.runner.quant_setup import bench_scheme
+
+    with progress.phase(f"building {config.preset} ({config.layers} layers, random {config.weights} weights) on {device}"):
         model = DeepseekV3ForCausalLM(
-            model_config, ctx, dtype=dtype, device=device, max_batch=max(config.batches), max_seq_len=config.context
+            model_config, ctx, dtype=dtype, device=device, max_batch=max(config.batches), max_seq_len=config.context,
+            quant=bench_scheme(config.weights),
         )
         init_random_shards(model, config.seed, ctx)
         model.eval()
@@ -205,7 +209,10 @@ def bench_rank(ctx, config: ModelBenchConfig) -> dict | None:
     if ctx.rank != 0:
         return None
     fusion = (compiled["fxfuse"] if "fxfuse" in compiled else compile_step(model, "eager")).fusion_summary()
-    return _report(config, ctx.world_size, device, rows, collective_rows, fusion, fused_kernel_ready)
+    report = _report(config, ctx.world_size, device, rows, collective_rows, fusion, fused_kernel_ready)
+    report["weight_gb"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
+    report["peak_gpu_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+    return report
 
 
 def _bench_batch(ctx, config, model, compiled: dict[str, CompiledStep], batch: int, device, clock, progress) -> list[dict]:

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, replace
 
 from fxfuse.models.config import ModelConfig
+from fxfuse.models.quant.scheme import QuantScheme
 from fxfuse.models.presets import get_preset
 from fxfuse.runner.errors import RunError
 
@@ -55,6 +56,7 @@ class RunOptions:
     seed: int = 0
     cuda_graph: bool | None = None
     graph_widths: tuple[int, ...] = DEFAULT_WIDTHS
+    weights: str = "bf16"
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class RunSetup:
     config: ModelConfig
     model_name: str
     full_random_state: bool
+    quant: QuantScheme = QuantScheme()
 
     @property
     def cuda_graph(self) -> bool:
@@ -129,7 +132,16 @@ def prepare_run(options: RunOptions) -> RunSetup:
     if options.device == "cpu":
         copies = 2 if options.compare == "eager" else 1
         check_host_memory(config, options.dtype, copies, "use --preset tiny or fewer --layers")
-    return RunSetup(options=options, config=config, model_name=name, full_random_state=full_random)
+    quant = QuantScheme()
+    if options.weights != "bf16" or options.device == "cuda":  # needs torch: the memory plan builds the model on meta
+        from fxfuse.runner.quant_setup import check_fits, weight_scheme
+
+        try:
+            quant = weight_scheme(options, config)
+            check_fits(options, config, name, quant, options.graph_widths, cache_len)
+        except ValueError as exc:
+            raise RunError(str(exc)) from exc
+    return RunSetup(options=options, config=config, model_name=name, full_random_state=full_random, quant=quant)
 
 
 def needed_cache_len(options: RunOptions, graph_widths: tuple[int, ...]) -> int:

@@ -114,6 +114,7 @@ def run_rank(ctx: ParallelContext, setup: RunSetup) -> dict:
         "device": options.device,
         "backend": options.backend,
         "dtype": options.dtype,
+        "weights": options.weights,
         "model": setup.model_name,
         "layers": setup.config.num_hidden_layers,
         "batch": options.batch,

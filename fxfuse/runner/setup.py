@@ -15,6 +15,7 @@ import torch
 
 from fxfuse.models.deepseek_v3 import DeepseekV3ForCausalLM
 from fxfuse.models.parallel import ParallelContext
+from fxfuse.models.quant.checkpoint import quantize_state_dict
 from fxfuse.models.random_weights import init_random_shards, random_hf_state_dict
 from fxfuse.models.weights import DictSource, SafetensorsSource, load_weights
 from fxfuse.runner.options import RunSetup
@@ -24,15 +25,18 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def build_model(setup: RunSetup, ctx: ParallelContext, device: torch.device) -> DeepseekV3ForCausalLM:
-    """This rank's shard of the model, weights loaded (checkpoint or deterministic random)."""
+    """This rank's shard of the model in the run's weight format, weights loaded (checkpoint, or
+    deterministic random weights, quantized when the format asks for it)."""
     o = setup.options
     model = DeepseekV3ForCausalLM(
-        setup.config, ctx, dtype=DTYPES[o.dtype], device=device, max_batch=o.batch, max_seq_len=setup.max_seq_len
+        setup.config, ctx, dtype=DTYPES[o.dtype], device=device, max_batch=o.batch, max_seq_len=setup.max_seq_len,
+        quant=setup.quant,
     )
     if o.checkpoint:
         load_weights(model, SafetensorsSource(o.checkpoint), ctx)
     elif setup.full_random_state:
-        load_weights(model, DictSource(random_hf_state_dict(setup.config, o.seed)), ctx)
+        state = quantize_state_dict(random_hf_state_dict(setup.config, o.seed), setup.quant)
+        load_weights(model, DictSource(state, config=setup.quant.checkpoint_config()), ctx)
     else:
         init_random_shards(model, o.seed, ctx)
     return model.eval()

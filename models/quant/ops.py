@@ -1,0 +1,102 @@
+"""The quantized GEMMs as torch ops, so `torch.compile(fullgraph=True, dynamic=True)` traces them as
+single nodes (fake kernels give their shapes) and CUDA graphs capture their kernels.
+
+- `fxfuse_quant::fp8_linear(x, weight, scale_inv, block_n, block_k, gemm) -> y`: x [..., K] @ FP8
+  weight [N, K]^T with block scales; `gemm` "w8a16" or "w8a8" (models/quant/scheme.py).
+- `fxfuse_quant::quant_experts(x, expert_ids, weights, gate, gate_scale, up, up_scale, down, down_scale,
+  fmt, block_n, block_k, gemm) -> y`: a rank's routed experts (SwiGLU) on FP8 ("fp8") or packed INT4
+  ("int4", group = block_k) stacked weights, combined with the routing weights: [N, H].
+On CPU both run the dequantizing reference (models/quant/reference.py); on CUDA the Triton kernels of
+models/quant/triton_gemm.py, and for "w8a8" dense layers cuBLAS block-scaled `torch._scaled_mm` where
+`models/quant/scaled_mm.py` found it working on this GPU. Every CUDA path has fixed shapes for a
+given input shape and no host synchronization (capturable).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fxfuse.models.expert_math import combine_rows, sort_rows_by_expert
+from fxfuse.models.quant import reference
+from fxfuse.models.quant.triton_gemm import block_m_for, dense_tiles, expert_tiles, quant_matmul
+
+
+@torch.library.custom_op("fxfuse_quant::fp8_linear", mutates_args=())
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block_n: int, block_k: int, gemm: str) -> torch.Tensor:
+    """x [..., K] @ dequantized FP8 weight [N, K]^T -> [..., N] in x's dtype."""
+    block = (block_n, block_k)
+    if x.device.type != "cuda":
+        return reference.fp8_linear_reference(x, weight, scale_inv, block, gemm)
+    flat = x.reshape(-1, x.shape[-1])
+    if gemm == "w8a8":
+        from fxfuse.models.quant.scaled_mm import blockwise_scaled_mm_works, scaled_mm_linear
+
+        if blockwise_scaled_mm_works(x.device) and block == (128, 128):
+            quantized, act_scale = reference.quantize_activations(flat, block_k)
+            out = scaled_mm_linear(quantized, act_scale, weight, scale_inv, x.dtype)
+            return out.view(*x.shape[:-1], weight.shape[0])
+    return triton_fp8_linear(flat, weight, scale_inv, block, gemm).view(*x.shape[:-1], weight.shape[0])
+
+
+@fp8_linear.register_fake
+def _(x, weight, scale_inv, block_n, block_k, gemm):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("fxfuse_quant::quant_experts", mutates_args=())
+def quant_experts(
+    x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+    gate: torch.Tensor, gate_scale: torch.Tensor, up: torch.Tensor, up_scale: torch.Tensor,
+    down: torch.Tensor, down_scale: torch.Tensor, fmt: str, block_n: int, block_k: int, gemm: str,
+) -> torch.Tensor:
+    """Routed experts on quantized stacked weights: x [N, H], ids / fp32 weights [N, k] -> [N, H]."""
+    block = (block_n, block_k)
+    stacked = [(gate, gate_scale), (up, up_scale), (down, down_scale)]
+    if x.device.type != "cuda":
+        return reference.quant_experts_reference(x, expert_ids, weights, stacked, fmt, block, gemm)
+    return triton_experts(x, expert_ids, weights, stacked, fmt, block, gemm)
+
+
+@quant_experts.register_fake
+def _(x, expert_ids, weights, gate, gate_scale, up, up_scale, down, down_scale, fmt, block_n, block_k, gemm):
+    return torch.empty_like(x)
+
+
+def triton_experts(x, expert_ids, weights, stacked, fmt: str, block: tuple[int, int], gemm: str) -> torch.Tensor:
+    """Routed experts by the Triton kernel: rows sorted by expert, one tiled launch each for gate, up and
+    down, then the weighted sum per token (the CUDA path of `quant_experts`; any device under the interpreter)."""
+    (gate, gate_scale), (up, up_scale), (down, down_scale) = stacked
+    order, token_of_row, rows_per_expert = sort_rows_by_expert(expert_ids, gate.shape[0])
+    rows = order.shape[0]
+    block_m = block_m_for(rows)
+    tiles = expert_tiles(rows_per_expert, rows, block_m)
+    int4 = fmt == "int4"
+    fp8_acts = fmt == "fp8" and gemm == "w8a8"
+    common = dict(int4=int4, scale_block=block, block_m=block_m)
+
+    def gemm_rows(a, row_ids, weight, scale):
+        a_scale = None
+        if fp8_acts:
+            a, a_scale = reference.quantize_activations(a, block[1])
+        out = torch.empty(rows, weight.shape[1], dtype=x.dtype, device=x.device)
+        return quant_matmul(a.contiguous(), a_scale, weight, scale, row_ids, tiles, out, **common)
+
+    token_rows = token_of_row.to(torch.int32)
+    hidden = F.silu(gemm_rows(x, token_rows, gate, gate_scale)) * gemm_rows(x, token_rows, up, up_scale)
+    out = gemm_rows(hidden, torch.arange(rows, device=x.device, dtype=torch.int32), down, down_scale)
+    return combine_rows(out, order, token_of_row, weights, x.shape[0]).to(x.dtype)
+
+
+def triton_fp8_linear(flat: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], gemm: str) -> torch.Tensor:
+    """x [M, K] @ FP8 weight^T by the Triton kernel: bf16 activations ("w8a16") or FP8 per token group ("w8a8")."""
+    if gemm == "w8a8":
+        a, a_scale = reference.quantize_activations(flat, block[1])
+    else:
+        a, a_scale = flat.contiguous(), None
+    rows = flat.shape[0]
+    block_m = block_m_for(rows)
+    out = torch.empty(rows, weight.shape[0], dtype=flat.dtype, device=flat.device)
+    row_ids = torch.arange(rows, device=flat.device, dtype=torch.int32)
+    return quant_matmul(a, a_scale, weight, scale_inv, row_ids, dense_tiles(rows, block_m, flat.device), out,
+                        int4=False, scale_block=block, block_m=block_m)

@@ -1,0 +1,105 @@
+"""The quantized Triton GEMMs in Triton's CPU interpreter (TRITON_INTERPRET=1, float32 and float16; the
+interpreter computes bfloat16 wrongly): dense FP8 with bf16-style activations (w8a16) and with
+per-token-group FP8 activations (w8a8), dense INT4, the grouped routed-expert path in both formats,
+against the dequantizing reference; and the fixed-size tile table of rows sorted by expert.
+
+Shapes are small and ragged (rows, N and K not multiples of the tiles; experts with no rows, one row,
+several tiles) so masking and the tile table are exercised."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxfuse.models.fp8 import quantize_blocks
+from fxfuse.models.quant import reference
+from fxfuse.models.quant.int4 import pack_int4, quantize_groups
+from fxfuse.models.quant.ops import triton_experts, triton_fp8_linear
+from fxfuse.models.quant.triton_gemm import dense_tiles, expert_tiles, quant_matmul
+
+#: Relative error (max |diff| / max |ref|) of the kernel against the float32 reference: float32
+#: accumulates in another order (~1e-7 seen); float16 rounds activations, weights and the output
+#: (2**-11 each, ~4e-4 seen).
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
+#: float16 w8a8 experts also FP8-round the float16 hidden state where the reference rounds float32 (~4e-3 seen).
+W8A8_FP16_EXPERTS = 1e-2
+
+
+def relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.float() - expected.float()).abs().max() / expected.float().abs().max())
+
+
+def dense(a, a_scale, weight, scale, rows, dtype, *, int4, block):
+    out = torch.empty(rows, weight.shape[0], dtype=dtype)
+    quant_matmul(a, a_scale, weight, scale, torch.arange(rows, dtype=torch.int32), dense_tiles(rows, 16, "cpu"), out,
+                 int4=int4, scale_block=block, block_m=16)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dense_fp8_w8a16_and_w8a8(dtype):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(19, 96, generator=generator).to(dtype)
+    fp8, scale_inv = quantize_blocks(torch.randn(72, 96, generator=generator), (16, 32))  # N = 72: a partial scale row
+    for gemm in ("w8a16", "w8a8"):  # the dense CUDA path of fxfuse_quant::fp8_linear (activation quantization included)
+        out = triton_fp8_linear(x, fp8, scale_inv, (16, 32), gemm)
+        assert out.dtype == dtype
+        assert relative(out, reference.fp8_linear_reference(x.float(), fp8, scale_inv, (16, 32), gemm)) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dense_int4(dtype):
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(21, 80, generator=generator).to(dtype)  # K = 80: a partial 64-wide K tile
+    values, scale = quantize_groups(torch.randn(40, 80, generator=generator), 16, torch.float32)
+    out = dense(x, None, pack_int4(values), scale, 21, dtype, int4=True, block=(1, 16))
+    expected = x.float() @ reference.dequantize_int4_packed(pack_int4(values), scale, 16).t()
+    assert relative(out, expected) <= TOLERANCE[dtype]
+
+
+def stacked_weights(fmt: str, experts: int, hidden: int, inter: int, generator):
+    shapes = ((experts, inter, hidden), (experts, inter, hidden), (experts, hidden, inter))
+    stacked = []
+    for shape in shapes:
+        weight = torch.randn(*shape, generator=generator) * 0.1
+        if fmt == "fp8":
+            parts = [quantize_blocks(weight[e], (16, 16)) for e in range(experts)]
+            stacked.append((torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])))
+        else:
+            values, scale = quantize_groups(weight, 16, torch.float32)
+            stacked.append((pack_int4(values), scale))
+    return stacked
+
+
+@pytest.mark.parametrize("fmt, gemm", [("fp8", "w8a16"), ("fp8", "w8a8"), ("int4", "w8a16")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_grouped_experts_match_reference(fmt, gemm, dtype):
+    generator = torch.Generator().manual_seed(2)
+    experts, hidden, inter, tokens, top_k = 6, 64, 32, 13, 2
+    x = torch.randn(tokens, hidden, generator=generator).to(dtype)
+    # expert 0: 13 rows (a full tile and a partial one), expert 5: none, the rest a few
+    ids = torch.stack([torch.tensor([0, 1 + t % 4]) for t in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=generator)
+    stacked = stacked_weights(fmt, experts, hidden, inter, generator)
+    got = triton_experts(x, ids, weights, stacked, fmt, (16, 16), gemm)
+    expected = reference.quant_experts_reference(x.float(), ids, weights, stacked, fmt, (16, 16), gemm)
+    bound = W8A8_FP16_EXPERTS if (gemm, dtype) == ("w8a8", torch.float16) else TOLERANCE[dtype]
+    assert got.dtype == dtype and relative(got, expected) <= bound
+
+
+def test_expert_tile_table_covers_every_row_once():
+    rows_per_expert = torch.tensor([13, 0, 1, 16, 17, 0], dtype=torch.int32)
+    total, block_m = int(rows_per_expert.sum()), 16
+    experts, starts, ends = expert_tiles(rows_per_expert, total, block_m)
+    assert experts.shape == (-(-total // block_m) + 6,)  # fixed size for any routing of `total` rows
+    covered = []
+    for expert, start, end in zip(experts.tolist(), starts.tolist(), ends.tolist()):
+        if expert < 0:
+            continue
+        rows = list(range(start, min(start + block_m, end)))
+        assert rows, "a used tile has rows"
+        begin = int(rows_per_expert[:expert].sum())
+        assert all(begin <= r < begin + int(rows_per_expert[expert]) for r in rows)
+        covered += rows
+    assert covered == list(range(total))
+    assert experts.tolist().count(-1) == experts.shape[0] - (1 + 1 + 1 + 2)
