@@ -144,3 +144,10 @@ def test_write_report_files(tmp_path):
     document = json.loads(paths[0].read_text())
     assert document["fxfuse_over_inductor"]["points"] == 2 and len(document["summary"]) == 2
     assert "| 1 | 1 | 10.000 | 4.000 | 4.000 | 1.000 | 1.000 | 25.0% |" in paths[1].read_text()
+
+
+def test_result_file_names_keep_dots_of_the_preset(tmp_path):
+    from fxfuse.bench.output import write_result_files
+
+    paths = write_result_files(tmp_path / "model_gpu_tp1_kimi-k2.5-2l_20261201", {"a": 1}, "# x\n", lambda path: False)
+    assert [p.name for p in paths] == ["model_gpu_tp1_kimi-k2.5-2l_20261201.json", "model_gpu_tp1_kimi-k2.5-2l_20261201.md"]

@@ -23,11 +23,13 @@ def write_result_files(
 ) -> list[Path]:
     """Write stem.json (document), stem.md (markdown_text) and stem.png (if `plot` drew it); return the paths."""
     stem.parent.mkdir(parents=True, exist_ok=True)
-    paths = [stem.with_suffix(".json"), stem.with_suffix(".md")]
+    # appended, not with_suffix: a stem may contain dots (the kimi-k2.5 preset) that are no suffix
+    paths = [stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.md"]
     paths[0].write_text(json.dumps(document, indent=2) + "\n")
     paths[1].write_text(markdown_text)
-    if plot(stem.with_suffix(".png")):
-        paths.append(stem.with_suffix(".png"))
+    png = stem.parent / f"{stem.name}.png"
+    if plot(png):
+        paths.append(png)
     return paths
 
 
