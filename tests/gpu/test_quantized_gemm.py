@@ -216,6 +216,6 @@ def _compile_capture_replay(case: str) -> None:
         eager = model(ids, positions).float()
         errors.append({"vs_uncaptured": rel_l2(replayed, uncaptured), "vs_eager": rel_l2(replayed, eager)})
     record(test="model_cuda_graph", case=case, weight_gb=weight_gb, errors=errors,
-           peak_gpu_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9, quant_ops=after.get("fxfuse_quant.fp8_linear", 0))
+           peak_gpu_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9, quant_ops=after.get("fxfuse_quant.fp8_linear", 0) + after.get("fxfuse_quant.quant_experts", 0))
     for e in errors:
         assert e["vs_uncaptured"] <= 5e-3 and e["vs_eager"] <= 5e-2, errors
