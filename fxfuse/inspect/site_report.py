@@ -32,7 +32,7 @@ from fxfuse.backend import CompileRecord, FxfuseBackend
 from fxfuse.models.config import ModelConfig
 from fxfuse.models.parallel import ParallelContext
 from fxfuse.op.schema import FUSED_OPS
-from fxfuse.passes.allreduce_rmsnorm_fusion import explain_unfused
+from fxfuse.passes.unfused_reasons import explain_unfused
 from fxfuse.passes.config import PATTERNS
 from fxfuse.passes.pattern_support import ALL_REDUCE
 
