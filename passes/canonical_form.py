@@ -304,9 +304,9 @@ class _Rewriter:
         the old sum.
         """
         others = [user for user in add.users if user is not reshape]
-        if not any(_starts_norm(user, reshape) or is_call(user, ADD) for user in reshape.users):
+        if not any(starts_norm(user, reshape) or is_call(user, ADD) for user in reshape.users):
             return False
-        if any(_starts_norm(user, add) for user in others) or _depends_on(reshape.args[1:], add):
+        if any(starts_norm(user, add) for user in others) or _depends_on(reshape.args[1:], add):
             return False
         (a, b), rest = add.args, reshape.args[1:]
         steps = [
@@ -314,7 +314,7 @@ class _Rewriter:
             (reshape.target, lambda made: (b, *rest), b),
             (ADD, lambda made: (made[0], made[1]), add),
         ]
-        back_sizes = self._size_args(a, before=reshape) if others else []
+        back_sizes = self._size_args(_size_source(a), before=reshape) if others else []
         if back_sizes is None:
             return False
         if others:
@@ -453,8 +453,16 @@ class _Rewriter:
         self.changes += 1
 
 
-def _starts_norm(user: torch.fx.Node, value: torch.fx.Node) -> bool:
-    """Whether `user` is how an RMSNorm of `value` begins: a cast, a square, or `value * value`."""
+def _size_source(value: torch.fx.Node) -> torch.fx.Node:
+    """A node of `value`'s shape whose extra `sym_size` users block no fusion: `value` itself, or for a
+    reduced value the input of (the first of) its all-reduce(s), which patterns bind as an argument."""
+    while is_reduced(value):
+        value = value.args[0].args[0] if is_summed_wait(value) else value.args[0]
+    return value
+
+
+def starts_norm(user: torch.fx.Node, value: torch.fx.Node) -> bool:
+    """Whether `user` may begin an RMSNorm of `value`: a cast, a square, or `value * value`."""
     return (
         is_call(user, CAST)
         or (is_call(user, POW) and user.args == (value, 2))
@@ -496,6 +504,13 @@ def canonicalize(graph: torch.fx.Graph) -> int:
     reduced, adds = chain_values(graph)
     rewriter.order_adds(adds, reduced)
     hidden_values = reduced | set(adds)
-    for hidden in [node for node in graph.nodes if node in hidden_values]:
-        rewriter.canonicalize_norm_of(hidden)
+    return rewriter.changes + canonicalize_norms(graph, [node for node in graph.nodes if node in hidden_values])
+
+
+def canonicalize_norms(graph: torch.fx.Graph, values: Iterable[torch.fx.Node]) -> int:
+    """Rewrite the RMSNorm spellings that read each of `values` (or a cast of it) into the canonical
+    form, in place; returns how many rewrites it made."""
+    rewriter = _Rewriter(graph)
+    for value in values:
+        rewriter.canonicalize_norm_of(value)
     return rewriter.changes

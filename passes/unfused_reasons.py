@@ -16,17 +16,20 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from fxfuse.op.schema import FUSED_OPS
 from fxfuse.passes.allreduce_rmsnorm_fusion import enabled_patterns, site_refusal
 from fxfuse.passes.canonical_form import (
     ADD,
     CAST,
     RMSNormNodes,
+    canonicalize_norms,
     find_rmsnorm,
     is_call,
     is_reshape,
     is_same_shape_add,
     is_summed_wait,
     keeps_last_dim,
+    starts_norm,
     val,
 )
 from fxfuse.passes.config import ALLREDUCE_RESIDUAL_RMSNORM, ALLREDUCE_RMSNORM, MERGE_ALLREDUCE, PassConfig
@@ -138,6 +141,12 @@ def _compiling_a_training_forward() -> bool | None:
 
 def _missing_norm_reason(reduced: torch.fx.Node, adds: list[torch.fx.Node]) -> str:
     """No RMSNorm reads the all-reduced value or an add of it: what stands in the way, if anything."""
+    for user in reduced.users:
+        if user.target in FUSED_OPS and user.args[1] is reduced:
+            if user.args[4] != reduced.args[0].args[2]:
+                return (f"it is the residual of the fused site `{user.name}`, which reduces over another group "
+                        f"({user.args[4]!r}): only sums over one group merge")
+            return f"it is the residual of the fused site `{user.name}` (the two all-reduces were not merged)"
     for value in [reduced] + adds:
         for user in value.users:
             if is_reshape(user) and _normed_soon(user):
@@ -171,6 +180,29 @@ def _reduce_scatter_reason(node: torch.fx.Node) -> str:
                 follows = f"; the RMSNorm `{norm.output.name}` that follows runs on this rank's shard"
     return (f"`{node.name}` is a reduce-scatter (sequence parallel), not an all-reduce: the fused op all-reduces"
             + follows)
+
+
+def normed_inputs(graph: torch.fx.Graph) -> list[str]:
+    """Names of the graph inputs that an RMSNorm reads (in any spelling; `graph` is not changed)."""
+    candidates = [p for p in graph.find_nodes(op="placeholder") if any(starts_norm(u, p) for u in p.users)]
+    if not candidates:
+        return []
+    copy, mapping = torch.fx.Graph(), {}
+    copy.graph_copy(graph, mapping)
+    copied = [mapping[p] for p in candidates]
+    canonicalize_norms(copy, copied)
+    return [p.name for p, c in zip(candidates, copied) if find_rmsnorm(c) is not None]
+
+
+def in_another_graph(reason: str, normed: list[tuple[int, str]]) -> str:
+    """`reason` made exact for a sum returned from its graph when some compiled graph (index, input
+    name in `normed`) applies an RMSNorm to one of its inputs: the norm is in another graph."""
+    if not reason.endswith(WHOLE_STACK_ADVICE) or not normed:
+        return reason
+    graph, name = normed[0]
+    return reason.removesuffix(WHOLE_STACK_ADVICE) + (
+        f"graph {graph} applies an RMSNorm to its input `{name}`, so the norm is in another graph (or a later "
+        "run of this one, as with torch.compile on each decoder block): compile the whole stack as one graph")
 
 
 def _op_name(node: torch.fx.Node) -> str:

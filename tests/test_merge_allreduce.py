@@ -18,6 +18,7 @@ from toy_graphs import (
     funcol_all_reduce,
     inplace_all_reduce,
     post_grad_graph,
+    rmsnorm_transformers,
 )
 
 from fxfuse.inspect.graph_diff import op_counts, snapshot
@@ -134,3 +135,45 @@ def test_max_reductions_not_merged(group):
         return reduce_max(x, "max", group) + reduce_max(y, "max", group)
 
     merge_unchanged(max_reduce, torch.randn(4, 8), torch.randn(4, 8))
+
+
+# ---------------------------------------------------------------- reshapes between the all-reduces and their sum
+
+
+def official_moe_layer(x, residual, w_routed, w_shared, norm_weight, *, group):
+    """DeepSeek's official inference MoE: flatten, reduce the routed sum in place and the shared experts'
+    row-parallel output on its own, `(y + z).view(shape)`; then the block's residual add and the next
+    norm (F.rms_norm, as its RMSNorm)."""
+    shape = x.size()
+    flat = x.view(-1, shape[-1])
+    y = flat @ w_routed
+    torch.distributed.all_reduce(y, group=group)
+    z = inplace_all_reduce(flat @ w_shared, group)
+    h = residual + (y + z).view(shape)
+    return torch.nn.functional.rms_norm(h, (shape[-1],), norm_weight, 1e-6), h
+
+
+def transformers_moe_layer(x, residual, w_routed, w_shared, norm_weight, *, group):
+    """transformers' DeepseekV3MoE under its tp_plan: the experts' flat output is all-reduced and viewed
+    back before the shared experts' all-reduced output is added; then residual add and norm."""
+    shape = x.shape
+    routed = funcol_all_reduce(x.view(-1, shape[-1]) @ w_routed, group).view(*shape)
+    h = residual + (routed + funcol_all_reduce(x @ w_shared, group))
+    return rmsnorm_transformers(h, norm_weight, 1e-6), h
+
+
+@pytest.mark.parametrize("layer", [official_moe_layer, transformers_moe_layer], ids=["official", "transformers"])
+def test_views_around_the_partial_sums_merge_then_fuse(group, layer):
+    block = functools.partial(layer, group=group)
+    x, residual, w_routed, w_shared, weight = moe_inputs(torch.float32)
+    inputs = (x.view(1, 5, 32), residual.view(1, 5, 32), w_routed, w_shared, weight)
+    backend, (normed, residual_out) = compile_and_run(block, *inputs, backend=GraphCapture(PATTERNS))
+    (record,) = backend.records
+    assert (record.stats.allreduces_before, record.stats.merged, record.stats.fused_with_residual,
+            record.stats.allreduces_after) == (2, 1, 1, 0)
+    (gm,) = backend.graphs
+    (site,) = gm.graph.find_nodes(op="call_function", target=torch.ops.fxfuse.allreduce_residual_rmsnorm.default)
+    assert [list(arg.meta["val"].shape) for arg in site.args[:2]] == [[1, 5, 32], [1, 5, 32]]
+    expected_normed, expected_residual = block(*inputs)
+    torch.testing.assert_close(residual_out, expected_residual, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(normed, expected_normed, rtol=1e-5, atol=1e-5)
