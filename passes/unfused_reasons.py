@@ -65,7 +65,7 @@ def explain_unfused(collective: torch.fx.Node, config: PassConfig) -> str:
         norm = find_rmsnorm(hidden)
         if norm is not None:
             return _fusion_blocker(collective, reduced, norm, residual, config)
-    return _missing_norm_reason(reduced, adds)
+    return _missing_norm_reason(reduced, adds, config)
 
 
 def _other_operand(add: torch.fx.Node, operand: torch.fx.Node):
@@ -78,8 +78,6 @@ def _fusion_blocker(all_reduce, reduced, norm: RMSNormNodes, residual, config: P
     pattern = ALLREDUCE_RESIDUAL_RMSNORM if with_residual else ALLREDUCE_RMSNORM
     if not config.enabled(pattern):
         return f"pattern {pattern} is disabled"
-    if with_residual and is_summed_wait(residual):
-        return _unmerged_reason(reduced, residual, norm.hidden, config)
     computed = val(norm.computed)
     if computed is not None and computed.dtype != torch.float32:
         return (f"the RMSNorm of `{norm.hidden.name}` computes in {_name(computed.dtype)}, not float32 (no upcast): "
@@ -102,7 +100,8 @@ def _fusion_blocker(all_reduce, reduced, norm: RMSNormNodes, residual, config: P
 
 
 def _unmerged_reason(reduced, other_wait, add, config: PassConfig) -> str:
-    """Why `reduced + other_wait` (two all-reduces) was not merged into one all-reduce."""
+    """Why `add = reduced + other_wait` (two all-reduces, whose sum goes on to a residual add and an
+    RMSNorm) was not merged into one all-reduce."""
     mine, theirs = reduced.args[0], other_wait.args[0]
     if not config.enabled(MERGE_ALLREDUCE):
         return f"it is added to another all-reduce (`{add.name}`) and pattern {MERGE_ALLREDUCE} is disabled"
@@ -139,7 +138,7 @@ def _compiling_a_training_forward() -> bool | None:
     return bool(getattr(metadata, "traced_tangents", None)) or getattr(metadata, "num_symints_saved_for_bw", None) is not None
 
 
-def _missing_norm_reason(reduced: torch.fx.Node, adds: list[torch.fx.Node]) -> str:
+def _missing_norm_reason(reduced: torch.fx.Node, adds: list[torch.fx.Node], config: PassConfig) -> str:
     """No RMSNorm reads the all-reduced value or an add of it: what stands in the way, if anything."""
     for user in reduced.users:
         if user.target in FUSED_OPS and user.args[1] is reduced:
@@ -147,6 +146,10 @@ def _missing_norm_reason(reduced: torch.fx.Node, adds: list[torch.fx.Node]) -> s
                 return (f"it is the residual of the fused site `{user.name}`, which reduces over another group "
                         f"({user.args[4]!r}): only sums over one group merge")
             return f"it is the residual of the fused site `{user.name}` (the two all-reduces were not merged)"
+    for add in adds:
+        other = _other_operand(add, reduced)
+        if is_summed_wait(other) and any(find_rmsnorm(a) for a in add.users if is_call(a, ADD)):
+            return _unmerged_reason(reduced, other, add, config)
     for value in [reduced] + adds:
         for user in value.users:
             if is_reshape(user) and _normed_soon(user):

@@ -24,6 +24,7 @@ from toy_graphs import (
 from fxfuse.inspect.graph_diff import op_counts, snapshot
 from fxfuse.passes import canonical_form, merge_allreduce
 from fxfuse.passes.config import MERGE_ALLREDUCE, PATTERNS, PassConfig
+from fxfuse.passes.unfused_reasons import explain_unfused
 
 ALL_REDUCE = "_c10d_functional.all_reduce"
 
@@ -96,6 +97,10 @@ def test_merge_disabled_leaves_both_and_blocks_fusion(group):
     (record,) = backend.records
     assert (record.stats.merged, record.stats.fused, record.stats.allreduces_after) == (0, 0, 2)
     assert record.after.op_counts == record.before.op_counts
+    (gm,) = backend.graphs
+    reasons = {explain_unfused(node, PassConfig(frozenset(enabled)))
+               for node in gm.graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.all_reduce.default)}
+    assert reasons == {"it is added to another all-reduce (`add`) and pattern merge_allreduce is disabled"}
 
 
 def test_different_groups_not_merged(group):

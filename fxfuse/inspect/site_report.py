@@ -156,6 +156,7 @@ class SiteTracingBackend(FxfuseBackend):
         super().__init__(inner="eager", patterns=patterns)
         self.sites: list[SiteRow] = []
         self.pass_seconds = 0.0
+        self._rows_as_found: list[SiteRow] = []  # `sites` before `in_another_graph`
         self._normed_inputs: list[tuple[int, str]] = []  # (graph index, input name) read by an RMSNorm
 
     def rewrite(self, graph: torch.fx.Graph) -> None:
@@ -169,8 +170,8 @@ class SiteTracingBackend(FxfuseBackend):
         rows = self._rows(graph, producers, before)
         rows += [self._scatter_row(node, len(rows) + i) for i, node in enumerate(scatters)]
         self._normed_inputs += [(index, name) for name in normed_inputs(graph)]
-        self.sites = [_in_another_graph(row, self._normed_inputs) for row in self.sites]
-        self.sites += [_in_another_graph(replace(row, graph=index), self._normed_inputs) for row in rows]
+        self._rows_as_found += [replace(row, graph=index) for row in rows]
+        self.sites = [_in_another_graph(row, self._normed_inputs) for row in self._rows_as_found]
 
     def _scatter_row(self, node: torch.fx.Node, index: int) -> SiteRow:
         layer, block, module = site_location(node.args[0])
@@ -200,7 +201,9 @@ class SiteTracingBackend(FxfuseBackend):
 
 
 def _in_another_graph(row: SiteRow, normed: list[tuple[int, str]]) -> SiteRow:
-    """`row` with its reason made exact when its norm is (probably) in another graph (`in_another_graph`)."""
+    """`row` with its reason made exact when its norm is in another graph (`in_another_graph`), one of
+    the other graphs preferred."""
+    normed = sorted(normed, key=lambda entry: entry[0] == row.graph)
     reason = in_another_graph(row.reason, normed) if row.reason is not None else None
     return row if reason == row.reason else replace(row, reason=reason)
 
