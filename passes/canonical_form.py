@@ -120,7 +120,11 @@ def is_reduced(node, depth: int = 8) -> bool:
 
 def is_merge_add(node, depth: int = 8) -> bool:
     """A same-shape add of two sums over a group, each read by nothing else (what pattern 3 merges)."""
-    return is_same_shape_add(node) and all(is_reduced(arg, depth) and len(arg.users) == 1 for arg in node.args)
+    return (
+        is_call(node, ADD)
+        and all(is_reduced(arg, depth) and len(arg.users) == 1 for arg in node.args)
+        and is_same_shape_add(node)
+    )
 
 
 def chain_values(graph: torch.fx.Graph) -> tuple[set[torch.fx.Node], list[torch.fx.Node]]:
@@ -128,7 +132,9 @@ def chain_values(graph: torch.fx.Graph) -> tuple[set[torch.fx.Node], list[torch.
     reduced: set[torch.fx.Node] = set()
     adds: list[torch.fx.Node] = []
     for node in graph.nodes:
-        if is_summed_wait(node) or (is_same_shape_add(node) and all(a in reduced and len(a.users) == 1 for a in node.args)):
+        if is_summed_wait(node) or (
+            is_call(node, ADD) and all(a in reduced and len(a.users) == 1 for a in node.args) and is_same_shape_add(node)
+        ):
             reduced.add(node)
         elif is_call(node, ADD) and any(arg in reduced for arg in node.args):
             adds.append(node)
@@ -264,13 +270,11 @@ class _Rewriter:
             for node in list(self.graph.nodes):
                 if node.graph is not self.graph or not is_reshape(node) or node in self.views_back:
                     continue
-                if not keeps_last_dim(node):
-                    continue
                 source = node.args[0]
                 if is_summed_wait(source):
-                    moved |= self._reshape_before_all_reduce(node, source)
-                elif is_same_shape_add(source) and any(is_reduced(arg) for arg in source.args):
-                    moved |= self._reshape_operands(node, source)
+                    moved |= keeps_last_dim(node) and self._reshape_before_all_reduce(node, source)
+                elif is_call(source, ADD) and any(is_reduced(arg) for arg in source.args[:2]):
+                    moved |= is_same_shape_add(source) and keeps_last_dim(node) and self._reshape_operands(node, source)
         if self.changes:
             stable_topological_sort(self.graph)
 

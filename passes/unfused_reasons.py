@@ -197,10 +197,15 @@ def normed_inputs(graph: torch.fx.Graph) -> list[str]:
     return [p.name for p, c in zip(candidates, copied) if find_rmsnorm(c) is not None]
 
 
+def needs_another_graph(reason: str | None) -> bool:
+    """Whether `reason` says the site's sum leaves its graph with no RMSNorm after it (see `in_another_graph`)."""
+    return reason is not None and reason.endswith(WHOLE_STACK_ADVICE)
+
+
 def in_another_graph(reason: str, normed: list[tuple[int, str]]) -> str:
     """`reason` made exact for a sum returned from its graph when some compiled graph (index, input
     name in `normed`) applies an RMSNorm to one of its inputs: the norm is in another graph."""
-    if not reason.endswith(WHOLE_STACK_ADVICE) or not normed:
+    if not needs_another_graph(reason) or not normed:
         return reason
     graph, name = normed[0]
     return reason.removesuffix(WHOLE_STACK_ADVICE) + (

@@ -36,7 +36,13 @@ from fxfuse.models.parallel import ParallelContext
 from fxfuse.op.schema import FUSED_OPS
 from fxfuse.passes.config import PATTERNS
 from fxfuse.passes.pattern_support import ALL_REDUCE
-from fxfuse.passes.unfused_reasons import REDUCE_SCATTER, explain_unfused, in_another_graph, normed_inputs
+from fxfuse.passes.unfused_reasons import (
+    REDUCE_SCATTER,
+    explain_unfused,
+    in_another_graph,
+    needs_another_graph,
+    normed_inputs,
+)
 
 #: Block kinds by a word of the module's class name, outermost module first (DeepSeek-V3 reference
 #: and Hugging Face spellings: VocabParallelEmbedding, MLAttention, MoE, ParallelGatedMLP, ...).
@@ -169,8 +175,9 @@ class SiteTracingBackend(FxfuseBackend):
         index = len(self.records) - 1
         rows = self._rows(graph, producers, before)
         rows += [self._scatter_row(node, len(rows) + i) for i, node in enumerate(scatters)]
-        self._normed_inputs += [(index, name) for name in normed_inputs(graph)]
         self._rows_as_found += [replace(row, graph=index) for row in rows]
+        if any(needs_another_graph(row.reason) for row in self._rows_as_found):  # else skip the graph copy
+            self._normed_inputs += [(index, name) for name in normed_inputs(graph)]
         self.sites = [_in_another_graph(row, self._normed_inputs) for row in self._rows_as_found]
 
     def _scatter_row(self, node: torch.fx.Node, index: int) -> SiteRow:
