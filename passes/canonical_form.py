@@ -148,15 +148,14 @@ def chain_values(graph: torch.fx.Graph) -> tuple[set[torch.fx.Node], list[torch.
 class RMSNormNodes:
     """An RMSNorm over the last dimension of `hidden`, in canonical form (see the module docstring).
 
-    `computed`: the value its statistic is computed on (`hidden` or a cast of it); `normalized`:
-    `computed * rsqrt(mean(computed**2) + eps)`; `weight`: the weight operand (None: no weight
-    multiply); `output`: the norm's result; `inner`: the nodes after `hidden` up to, not including,
-    `output` (what a fused op replaces besides the output).
+    `computed`: the value its statistic is computed on (`hidden` or a cast of it); `eps`: the float or
+    node added to the mean; `weight`: the weight operand (None: no weight multiply); `output`: the
+    norm's result; `inner`: the nodes after `hidden` up to, not including, `output` (what a fused op
+    replaces besides the output).
     """
 
     hidden: torch.fx.Node
     computed: torch.fx.Node
-    normalized: torch.fx.Node
     eps: object
     weight: object
     output: torch.fx.Node
@@ -218,7 +217,7 @@ def _with_weight(hidden: torch.fx.Node, computed: torch.fx.Node, statistic: tupl
             output = later_casts[0]
     elif casts_back:
         output = casts_back[0]
-    return RMSNormNodes(hidden, computed, normalized, statistic[2].args[1], weight, output, tuple(inner))
+    return RMSNormNodes(hidden, computed, statistic[2].args[1], weight, output, tuple(inner))
 
 
 # ---------------------------------------------------------------- rewriting
@@ -268,7 +267,7 @@ class _Rewriter:
         while moved:
             moved = False
             for node in list(self.graph.nodes):
-                if node.graph is not self.graph or not is_reshape(node) or node in self.views_back:
+                if node._erased or not is_reshape(node) or node in self.views_back:
                     continue
                 source = node.args[0]
                 if is_summed_wait(source):

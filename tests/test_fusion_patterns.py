@@ -560,3 +560,31 @@ def test_reduce_scatter_is_not_fused(group):
     assert explain_unfused(scatter, PassConfig()) == (
         "`reduce_scatter_tensor` is a reduce-scatter (sequence parallel), not an all-reduce: the fused op "
         "all-reduces; the RMSNorm `mul_1` that follows runs on this rank's shard")
+
+
+def test_norm_without_weight(group):
+    """An RMSNorm without a weight (elementwise_affine=False): the fused op always multiplies by one."""
+
+    def reduce_add_unweighted_norm(x, res):
+        h = funcol_all_reduce(x, group) + res
+        return torch.nn.functional.rms_norm(h, (16,), None, 1e-6), h
+
+    rewrite_unchanged(
+        reduce_add_unweighted_norm, torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(4, 16, dtype=torch.bfloat16),
+        reason="the RMSNorm `convert_element_type_1` has no weight (the fused op multiplies by one)",
+    )
+
+
+def test_partial_sums_of_two_dtypes_not_merged(group):
+    def mixed_partials_add_norm(x, y, res, w):
+        h = res + (funcol_all_reduce(x, group) + funcol_all_reduce(y, group))
+        return rmsnorm_transformers(h, w, 1e-6), h
+
+    gm = post_grad_graph(mixed_partials_add_norm, torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(4, 16),
+                         torch.randn(4, 16), torch.randn(16))
+    assert merge_allreduce.run(gm.graph, PassConfig()) == allreduce_rmsnorm_fusion.run(gm.graph, PassConfig()) == 0
+    left = gm.graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.all_reduce.default)
+    assert [explain_unfused(node, PassConfig()) for node in left] == [
+        "it is added (`add`) to an all-reduce of float32, not bfloat16: no merge",
+        "it is added (`add`) to an all-reduce of bfloat16, not float32: no merge",
+    ]
