@@ -17,6 +17,7 @@ import torch
 import torch.fx
 from torch._inductor.pattern_matcher import Match, PatternMatcherPass, register_replacement
 
+from fxfuse.passes.canonical_form import canonicalize
 from fxfuse.passes.config import MERGE_ALLREDUCE, PassConfig
 from fxfuse.passes.pattern_support import (
     allreduce_sum,
@@ -60,10 +61,13 @@ def merge_patterns(group_name: str) -> PatternMatcherPass:
 def run(graph: torch.fx.Graph, config: PassConfig) -> int:
     """Merge every pair of summed all-reduces in `graph` (in place); returns how many merges.
 
-    Repeats until nothing changes, so `ar(a) + ar(b) + ar(c)` becomes one all-reduce.
+    The graph is canonicalized first (`canonical_form.canonicalize`), which moves reshapes between
+    the all-reduces and their sum up to the all-reduces' inputs: `view(ar(a)) + ar(b)` merges into
+    `ar(view(a) + b)`. Repeats until nothing changes, so `ar(a) + ar(b) + ar(c)` becomes one all-reduce.
     """
     if not config.enabled(MERGE_ALLREDUCE):
         return 0
+    canonicalize(graph)
     merged = 0
     for group in sum_allreduce_groups(graph):
         patterns = merge_patterns(group)

@@ -14,7 +14,7 @@ from fxfuse.backend import FxfuseBackend
 from fxfuse.op import capability
 from fxfuse.op.flashinfer_version import features
 from fxfuse.op.settings import FusionSettings
-from fxfuse.passes.allreduce_rmsnorm_fusion import explain_unfused
+from fxfuse.passes.unfused_reasons import explain_unfused
 from fxfuse.passes.pattern_support import ALL_REDUCE
 
 

@@ -16,6 +16,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from toy_graphs import (
     DECODER_EPS,
     RMSNORMS,
+    SAME_ROUNDING,
     GraphCapture,
     compile_and_run,
     decoder_inputs,
@@ -24,19 +25,21 @@ from toy_graphs import (
     inplace_all_reduce,
     post_grad_graph,
     rmsnorm_functional,
+    rmsnorm_gpt_fast,
     rmsnorm_transformers,
     toy_decoder,
 )
 
 from fxfuse.inspect.graph_diff import op_counts, snapshot
 from fxfuse.op.schema import allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps
-from fxfuse.passes import allreduce_rmsnorm_fusion
+from fxfuse.passes import allreduce_rmsnorm_fusion, canonical_form, merge_allreduce
 from fxfuse.passes.config import PATTERNS, PassConfig
+from fxfuse.passes.pattern_support import same_shape
+from fxfuse.passes.unfused_reasons import REDUCE_SCATTER, explain_unfused
 
 FUSED = "fxfuse.allreduce_residual_rmsnorm"
-UNFUSED_OPS = ("_c10d_functional.all_reduce", "_c10d_functional.wait_tensor", "aten.rsqrt", "aten.mean", "aten.pow")
-#: Spellings that multiply by the weight after the cast back, as the fused op does: bit-identical.
-WEIGHT_AFTER_CAST = ("transformers", "weight_on_right")
+UNFUSED_OPS = ("_c10d_functional.all_reduce", "_c10d_functional.wait_tensor", "aten.rsqrt", "aten.mean", "aten.pow",
+               "aten.sqrt", "aten.reciprocal", "aten.div")
 
 
 @pytest.fixture(scope="module")
@@ -50,29 +53,35 @@ def fused_sites(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
 
 def assert_meta_matches_propagation(gm: torch.fx.GraphModule) -> None:
-    """Every node's recorded meta['val'] equals what fake-tensor propagation computes now."""
+    """Every node's recorded meta['val'] equals what fake-tensor propagation computes now: same dtypes,
+    and shapes provably equal (a view can spell a size `2*(s0//2)` where the graph's guards make it `s0`)."""
     recorded = {node: node.meta.get("val") for node in gm.graph.nodes if node.op == "call_function"}
     inputs = [node.meta["val"] for node in gm.graph.find_nodes(op="placeholder")]
     FakeTensorProp(gm, torch._guards.detect_fake_mode(inputs)).propagate_dont_convert_inputs(*inputs)
 
-    def signature(value):
-        values = value if isinstance(value, (tuple, list)) else (value,)
-        return [(str(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for v in values]
+    def same(a, b) -> bool:
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            return a.dtype == b.dtype and same_shape(a, b)
+        if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return isinstance(a, torch.SymInt) or repr(a) == repr(b)
 
     for node, value in recorded.items():
         assert value is not None, f"{node} has no meta['val']"
-        assert signature(value) == signature(node.meta["val"]), node
+        assert same(value, node.meta["val"]), (node, value, node.meta["val"])
 
 
 def rewrite_unchanged(fn, *args, reason: str | None) -> None:
-    """Assert the pass finds nothing in fn's graph, leaves it exactly as it was, and that
-    `explain_unfused` gives `reason` for each all-reduce left (None: there is no all-reduce)."""
+    """Assert the pass fuses nothing in fn's graph and changes it no further than its canonical form
+    (`canonical_form.canonicalize`), and that `explain_unfused` gives `reason` for each all-reduce left
+    (None: there is no all-reduce)."""
     gm = post_grad_graph(fn, *args)
+    canonical_form.canonicalize(gm.graph)
     before = snapshot(gm.graph)
     assert allreduce_rmsnorm_fusion.run(gm.graph, PassConfig()) == 0
     assert snapshot(gm.graph).lines == before.lines
     left = gm.graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.all_reduce.default)
-    assert [allreduce_rmsnorm_fusion.explain_unfused(node, PassConfig()) for node in left] == [reason] * len(left)
+    assert [explain_unfused(node, PassConfig()) for node in left] == [reason] * len(left)
     assert bool(left) == (reason is not None)
 
 
@@ -103,16 +112,17 @@ def test_every_decoder_site_fused(group, dtype, norm):
     assert {site.args[4] for site in sites} == {group.group_name}
     assert_meta_matches_propagation(gm)
 
-    if norm in WEIGHT_AFTER_CAST or dtype == torch.float32:  # the others: test_weight_in_fp32_rounding
+    if norm in SAME_ROUNDING or dtype == torch.float32:  # the others: test_other_rounding_order
         exact = dtype != torch.float32
         torch.testing.assert_close(fused_out, decoder(*inputs), rtol=0 if exact else 1e-5, atol=0 if exact else 1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("norm", sorted(set(RMSNORMS) - set(WEIGHT_AFTER_CAST)))
-def test_weight_in_fp32_rounding(group, dtype, norm):
-    """Where the model multiplies by the weight in fp32 before casting back, the fused op (weight
-    after the cast) may round differently: at most one rounding step of the dtype per element."""
+@pytest.mark.parametrize("norm", sorted(set(RMSNORMS) - set(SAME_ROUNDING)))
+def test_other_rounding_order(group, dtype, norm):
+    """Where the model multiplies by the weight in fp32 before casting back, or computes 1/sqrt rather
+    than rsqrt, the fused op (rsqrt, weight after the cast) may round differently: at most one
+    rounding step of the dtype per element."""
 
     def site(x, res, w):
         h = funcol_all_reduce(x, group) + res
@@ -213,16 +223,133 @@ def test_disabled_patterns_fuse_nothing(group):
     assert op_counts(gm.graph)[FUSED] == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("eps", [None, 1e-5], ids=["eps_default", "eps_given"])
+def test_torch_rmsnorm_module(group, dtype, eps):
+    """`torch.nn.RMSNorm` (eps None: its default, the float32 machine epsilon) fuses with its eps."""
+    norm = torch.nn.RMSNorm(32, eps=eps, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(32))
+
+    def site(x, res):
+        h = funcol_all_reduce(x, group) + res
+        return norm(h), h
+
+    inputs = [torch.randn(5, 32, dtype=dtype), torch.randn(5, 32, dtype=dtype)]
+    backend, (normed, residual_out) = compile_and_run(site, *inputs, backend=GraphCapture(patterns=PATTERNS))
+    assert backend.records[0].stats.fused_with_residual == 1
+    (fused,) = fused_sites(backend.graphs[0])
+    assert fused.args[3] == pytest.approx(torch.finfo(torch.float32).eps if eps is None else eps, rel=1e-7)
+    expected_normed, expected_residual = site(*inputs)
+    torch.testing.assert_close(residual_out, expected_residual, rtol=0, atol=0)
+    finfo = torch.finfo(dtype)  # F.rms_norm applies the weight in float32: one rounding step of the dtype
+    torch.testing.assert_close(normed, expected_normed, rtol=2 * finfo.eps if dtype != torch.float32 else 1e-6,
+                               atol=finfo.smallest_normal if dtype != torch.float32 else 1e-6)
+
+
+# ---------------------------------------------------------------- reshapes inside the chain
+
+
+def assert_fused_like_eager(fn, inputs, *, fused_with_residual=1, fused_without_residual=0, **compile_kwargs):
+    """Compile fn, check the exact fused counts, that every fused op sees x and residual of one shape,
+    that the graph's meta is right, and that the outputs equal eager (bit for bit: the fake group's
+    all-reduce is the identity, and these sites round as the fused op does). Returns the graph."""
+    backend, outputs = compile_and_run(fn, *inputs, backend=GraphCapture(patterns=PATTERNS), **compile_kwargs)
+    ((gm,), (record,)) = backend.graphs, backend.records
+    assert (record.stats.fused_with_residual, record.stats.fused_without_residual) == (
+        fused_with_residual, fused_without_residual)
+    assert record.stats.allreduces_after == 0
+    gm.graph.lint()
+    for site in fused_sites(gm) + list(gm.graph.find_nodes(op="call_function", target=allreduce_residual_rmsnorm_tensor_eps)):
+        x, residual = site.args[0], site.args[1]
+        if residual is not None:
+            assert x.meta["val"].shape == residual.meta["val"].shape, site
+    assert_meta_matches_propagation(gm)
+    for got, want in zip(outputs, fn(*inputs), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    return gm
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_view_between_all_reduce_and_residual_add(group, dtype):
+    """transformers' MoE blocks: the flattened [tokens, hidden] output is all-reduced, then viewed back to
+    [batch, seq, hidden] before the residual add. The fused op gets x viewed to the residual's shape."""
+
+    def moe_site(flat, res, w):
+        h = res + funcol_all_reduce(flat, group).view(res.shape)
+        return rmsnorm_transformers(h, w, 1e-6), h
+
+    inputs = [torch.randn(6, 16, dtype=dtype), torch.randn(2, 3, 16, dtype=dtype), torch.randn(16, dtype=dtype)]
+    gm = assert_fused_like_eager(moe_site, inputs)
+    (site,) = fused_sites(gm)
+    assert site.args[0].target is torch.ops.aten.view.default and list(site.args[0].meta["val"].shape) == [2, 3, 16]
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_view_between_residual_add_and_norm(group, dynamic):
+    """The norm reads a view of the sum, which is also used (and returned) in its own shape: the chain
+    runs in the norm's shape, and the old-shape use reads a view of the fused op's residual_out."""
+
+    def site(x, res, w):
+        h = funcol_all_reduce(x, group) + res  # [tokens, hidden]
+        n = rmsnorm_transformers(h.view(2, -1, h.shape[-1]), w, 1e-6)
+        return n, h * 2
+
+    dtype = torch.bfloat16
+    inputs = [torch.randn(6, 16, dtype=dtype), torch.randn(6, 16, dtype=dtype), torch.randn(16, dtype=dtype)]
+    gm = assert_fused_like_eager(site, inputs, dynamic=dynamic)
+    (fused,) = fused_sites(gm) or gm.graph.find_nodes(op="call_function", target=allreduce_residual_rmsnorm_tensor_eps)
+    assert fused.args[0].meta["val"].dim() == 3
+    (residual_out,) = [user for user in fused.users if user.args[1] == 1]
+    (old_shape,) = residual_out.users
+    assert old_shape.target is torch.ops.aten.view.default and old_shape.meta["val"].dim() == 2
+
+
+def test_unsqueeze_and_squeeze_in_the_chain(group):
+    def site(x, res, w):
+        h = res.unsqueeze(0) + funcol_all_reduce(x, group).unsqueeze(0)  # [1, tokens, hidden]
+        return rmsnorm_gpt_fast(h.squeeze(0), w, 1e-6), h
+
+    dtype = torch.bfloat16
+    assert_fused_like_eager(site, [torch.randn(4, 16, dtype=dtype), torch.randn(4, 16, dtype=dtype),
+                                   torch.randn(16, dtype=dtype)])
+
+
+def test_view_before_plain_norm(group):
+    """Pattern 2 through a view: a vocab-parallel embedding all-reduced flat, viewed, normed."""
+
+    def embed_site(flat, w):
+        h = funcol_all_reduce(flat, group).view(2, 3, 16)
+        return rmsnorm_transformers(h, w, 1e-6), h
+
+    assert_fused_like_eager(embed_site, [torch.randn(6, 16), torch.randn(16)], fused_with_residual=0,
+                            fused_without_residual=1)
+
+
 # ---------------------------------------------------------------- never fuse what is not the pattern
 
 
 def test_no_norm_follows(group):
+    def reduce_add_sum(x, res):
+        return (funcol_all_reduce(x, group) + res).sum(-1)
+
+    rewrite_unchanged(
+        reduce_add_sum, torch.randn(4, 16), torch.randn(4, 16),
+        reason="no RMSNorm follows the all-reduce or its residual add",
+    )
+
+
+def test_sum_returned_from_the_graph_norm_may_be_in_the_next(group):
+    """One graph per decoder block (torchtitan): the MLP's sum ends the graph, its norm starts the next."""
+
     def reduce_add(x, res):
         return funcol_all_reduce(x, group) + res
 
     rewrite_unchanged(
         reduce_add, torch.randn(4, 16), torch.randn(4, 16),
-        reason="no RMSNorm follows the all-reduce or its residual add",
+        reason="`add` (the all-reduced value plus residual) is returned from the graph and no RMSNorm follows it "
+        "here: if the next compiled graph applies the RMSNorm (torch.compile on each decoder block, as torchtitan "
+        "does), the norm is in another graph: compile the whole stack as one graph",
     )
 
 
@@ -275,7 +402,11 @@ def test_norm_intermediate_used_elsewhere(group):
         inv_rms = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
         return w * (h * inv_rms), inv_rms
 
-    rewrite_unchanged(reduce_norm_keep_rsqrt, torch.randn(4, 16), torch.randn(16), reason="no RMSNorm follows")
+    rewrite_unchanged(
+        reduce_norm_keep_rsqrt, torch.randn(4, 16), torch.randn(16),
+        reason="`rsqrt` (rsqrt) inside the all-reduce -> RMSNorm chain is also a graph output (with grad enabled it "
+        "is saved for backward: compile under torch.no_grad() or torch.inference_mode())",
+    )
 
 
 def test_max_all_reduce_is_not_fused(group):
@@ -296,7 +427,8 @@ def test_norm_without_fp32_upcast_is_not_fused(group):
     rewrite_unchanged(
         reduce_norm_in_bf16,
         *(a.to(torch.bfloat16) for a in args),
-        reason="no RMSNorm follows the all-reduce or its residual add",
+        reason="the RMSNorm of `add` computes in bfloat16, not float32 (no upcast): the fused op's float32 norm "
+        "would round differently",
     )
 
 
@@ -369,3 +501,91 @@ def test_two_groups_each_site_uses_its_own_group(group):
     gm = post_grad_graph(two_groups, torch.randn(4, 16), torch.randn(16, 16), torch.randn(4, 16), torch.randn(16))
     assert allreduce_rmsnorm_fusion.run(gm.graph, PassConfig()) == 2
     assert [site.args[4] for site in fused_sites(gm)] == [group.group_name, other.group_name]
+
+
+def test_view_that_changes_the_hidden_dimension(group):
+    """A norm over a view that splits the hidden dimension (per head) is not the site's RMSNorm."""
+
+    def reduce_view_norm(x, res, w):
+        h = res + funcol_all_reduce(x, group).view(4, 2, 8)
+        return rmsnorm_transformers(h, w, 1e-6), h
+
+    rewrite_unchanged(
+        reduce_view_norm, torch.randn(4, 16), torch.randn(4, 2, 8), torch.randn(8),
+        reason="`view` reshapes the all-reduced value from [4, 16] to [4, 2, 8], changing its last (hidden) dimension",
+    )
+
+
+def test_reduced_value_cast_before_the_residual_add(group):
+    def reduce_cast_add_norm(x, res, w):
+        h = funcol_all_reduce(x, group).float() + res
+        return rmsnorm_transformers(h, w, 1e-6), h
+
+    rewrite_unchanged(
+        reduce_cast_add_norm, torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(4, 16), torch.randn(16),
+        reason="the all-reduced value (bfloat16) is cast to float32 by `convert_element_type` before the residual "
+        "add: the fused op adds and norms in the all-reduced dtype",
+    )
+
+
+def test_all_reduces_of_two_groups_added(group):
+    """`ar_g(x) + ar_other(y)` cannot merge; the first fuses with the second as its residual."""
+    other = dist.new_group([0, 1])
+
+    def two_group_sum_norm(x, y, w):
+        h = funcol_all_reduce(x, group) + funcol_all_reduce(y, other)
+        return rmsnorm_transformers(h, w, 1e-6), h
+
+    gm = post_grad_graph(two_group_sum_norm, torch.randn(4, 16), torch.randn(4, 16), torch.randn(16))
+    assert merge_allreduce.run(gm.graph, PassConfig()) == 0
+    assert allreduce_rmsnorm_fusion.run(gm.graph, PassConfig()) == 1
+    (site,) = fused_sites(gm)
+    (left,) = gm.graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.all_reduce.default)
+    assert (site.args[4], left.args[2]) == (group.group_name, other.group_name)
+    assert site.args[1].args[0] is left
+    assert explain_unfused(left, PassConfig()) == (
+        f"it is the residual of the fused site `{site.name}`, which reduces over another group "
+        f"({group.group_name!r}): only sums over one group merge")
+
+
+def test_reduce_scatter_is_not_fused(group):
+    """Sequence parallel: a reduce-scatter, then the residual add and norm on this rank's shard."""
+
+    def scatter_add_norm(x, res, w):
+        h = torch.distributed._functional_collectives.reduce_scatter_tensor(x, "sum", 0, group) + res
+        return rmsnorm_transformers(h, w, 1e-6), h
+
+    gm = post_grad_graph(scatter_add_norm, torch.randn(8, 16), torch.randn(4, 16), torch.randn(16))
+    assert allreduce_rmsnorm_fusion.run(gm.graph, PassConfig()) == 0
+    (scatter,) = gm.graph.find_nodes(op="call_function", target=REDUCE_SCATTER)
+    assert explain_unfused(scatter, PassConfig()) == (
+        "`reduce_scatter_tensor` is a reduce-scatter (sequence parallel), not an all-reduce: the fused op "
+        "all-reduces; the RMSNorm `mul_1` that follows runs on this rank's shard")
+
+
+def test_norm_without_weight(group):
+    """An RMSNorm without a weight (elementwise_affine=False): the fused op always multiplies by one."""
+
+    def reduce_add_unweighted_norm(x, res):
+        h = funcol_all_reduce(x, group) + res
+        return torch.nn.functional.rms_norm(h, (16,), None, 1e-6), h
+
+    rewrite_unchanged(
+        reduce_add_unweighted_norm, torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(4, 16, dtype=torch.bfloat16),
+        reason="the RMSNorm `convert_element_type_1` has no weight (the fused op multiplies by one)",
+    )
+
+
+def test_partial_sums_of_two_dtypes_not_merged(group):
+    def mixed_partials_add_norm(x, y, res, w):
+        h = res + (funcol_all_reduce(x, group) + funcol_all_reduce(y, group))
+        return rmsnorm_transformers(h, w, 1e-6), h
+
+    gm = post_grad_graph(mixed_partials_add_norm, torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(4, 16),
+                         torch.randn(4, 16), torch.randn(16))
+    assert merge_allreduce.run(gm.graph, PassConfig()) == allreduce_rmsnorm_fusion.run(gm.graph, PassConfig()) == 0
+    left = gm.graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.all_reduce.default)
+    assert [explain_unfused(node, PassConfig()) for node in left] == [
+        "it is added (`add`) to an all-reduce of float32, not bfloat16: no merge",
+        "it is added (`add`) to an all-reduce of bfloat16, not float32: no merge",
+    ]

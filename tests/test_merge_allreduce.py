@@ -18,11 +18,13 @@ from toy_graphs import (
     funcol_all_reduce,
     inplace_all_reduce,
     post_grad_graph,
+    rmsnorm_transformers,
 )
 
 from fxfuse.inspect.graph_diff import op_counts, snapshot
-from fxfuse.passes import merge_allreduce
+from fxfuse.passes import canonical_form, merge_allreduce
 from fxfuse.passes.config import MERGE_ALLREDUCE, PATTERNS, PassConfig
+from fxfuse.passes.unfused_reasons import explain_unfused
 
 ALL_REDUCE = "_c10d_functional.all_reduce"
 
@@ -40,8 +42,9 @@ def moe_inputs(dtype=torch.bfloat16):
 
 
 def merge_unchanged(fn, *args) -> None:
-    """Assert the merge pass finds nothing in fn's graph and leaves it exactly as it was."""
+    """Assert the merge pass finds nothing in fn's graph and changes it no further than its canonical form."""
     gm = post_grad_graph(fn, *args)
+    canonical_form.canonicalize(gm.graph)
     before = snapshot(gm.graph)
     assert merge_allreduce.run(gm.graph, PassConfig()) == 0
     assert snapshot(gm.graph).lines == before.lines
@@ -93,7 +96,11 @@ def test_merge_disabled_leaves_both_and_blocks_fusion(group):
     backend, _ = compile_and_run(block, *moe_inputs(), backend=GraphCapture(enabled))
     (record,) = backend.records
     assert (record.stats.merged, record.stats.fused, record.stats.allreduces_after) == (0, 0, 2)
-    assert record.after.lines == record.before.lines
+    assert record.after.op_counts == record.before.op_counts
+    (gm,) = backend.graphs
+    reasons = {explain_unfused(node, PassConfig(frozenset(enabled)))
+               for node in gm.graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.all_reduce.default)}
+    assert reasons == {"it is added to another all-reduce (`add`) and pattern merge_allreduce is disabled"}
 
 
 def test_different_groups_not_merged(group):
@@ -133,3 +140,45 @@ def test_max_reductions_not_merged(group):
         return reduce_max(x, "max", group) + reduce_max(y, "max", group)
 
     merge_unchanged(max_reduce, torch.randn(4, 8), torch.randn(4, 8))
+
+
+# ---------------------------------------------------------------- reshapes between the all-reduces and their sum
+
+
+def official_moe_layer(x, residual, w_routed, w_shared, norm_weight, *, group):
+    """DeepSeek's official inference MoE: flatten, reduce the routed sum in place and the shared experts'
+    row-parallel output on its own, `(y + z).view(shape)`; then the block's residual add and the next
+    norm (F.rms_norm, as its RMSNorm)."""
+    shape = x.size()
+    flat = x.view(-1, shape[-1])
+    y = flat @ w_routed
+    torch.distributed.all_reduce(y, group=group)
+    z = inplace_all_reduce(flat @ w_shared, group)
+    h = residual + (y + z).view(shape)
+    return torch.nn.functional.rms_norm(h, (shape[-1],), norm_weight, 1e-6), h
+
+
+def transformers_moe_layer(x, residual, w_routed, w_shared, norm_weight, *, group):
+    """transformers' DeepseekV3MoE under its tp_plan: the experts' flat output is all-reduced and viewed
+    back before the shared experts' all-reduced output is added; then residual add and norm."""
+    shape = x.shape
+    routed = funcol_all_reduce(x.view(-1, shape[-1]) @ w_routed, group).view(*shape)
+    h = residual + (routed + funcol_all_reduce(x @ w_shared, group))
+    return rmsnorm_transformers(h, norm_weight, 1e-6), h
+
+
+@pytest.mark.parametrize("layer", [official_moe_layer, transformers_moe_layer], ids=["official", "transformers"])
+def test_views_around_the_partial_sums_merge_then_fuse(group, layer):
+    block = functools.partial(layer, group=group)
+    x, residual, w_routed, w_shared, weight = moe_inputs(torch.float32)
+    inputs = (x.view(1, 5, 32), residual.view(1, 5, 32), w_routed, w_shared, weight)
+    backend, (normed, residual_out) = compile_and_run(block, *inputs, backend=GraphCapture(PATTERNS))
+    (record,) = backend.records
+    assert (record.stats.allreduces_before, record.stats.merged, record.stats.fused_with_residual,
+            record.stats.allreduces_after) == (2, 1, 1, 0)
+    (gm,) = backend.graphs
+    (site,) = gm.graph.find_nodes(op="call_function", target=torch.ops.fxfuse.allreduce_residual_rmsnorm.default)
+    assert [list(arg.meta["val"].shape) for arg in site.args[:2]] == [[1, 5, 32], [1, 5, 32]]
+    expected_normed, expected_residual = block(*inputs)
+    torch.testing.assert_close(residual_out, expected_residual, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(normed, expected_normed, rtol=1e-5, atol=1e-5)

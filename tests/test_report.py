@@ -14,18 +14,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
 from fxfuse.cli import main
+from fxfuse.inspect.compiled_report import report_compiled
 from fxfuse.models.layers import RMSNorm
+from fxfuse.models.parallel import ParallelContext
 from fxfuse.models.presets import get_preset
 from fxfuse.passes.config import ALLREDUCE_RESIDUAL_RMSNORM, MERGE_ALLREDUCE
-from fxfuse.inspect.site_report import SiteRow, report_model, summarize, trace_model, trace_sites
+from fxfuse.inspect.site_report import SiteRow, fake_process_group, report_model, summarize, trace_model, trace_sites
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_tp2.diff"
 TINY_BLOCKS = [(None, "embedding")] + [(0, "attention"), (0, "MLP")] + [(i, b) for i in (1, 2, 3) for b in ("attention", "MoE")]
@@ -50,7 +55,8 @@ def test_tiny_report_rows(tiny_trace):
     document = json.loads(json.dumps(report.to_json()))
     assert document["allreduce_sites"] == document["fused_sites"] == len(document["sites"]) == 9
     assert document["sites"][4] == {"index": 4, "layer": 1, "block": "MoE", "module": "model.layers.1.mlp",
-                                     "fused": True, "merged": False, "reason": None}
+                                     "fused": True, "merged": False, "reason": None, "graph": 0,
+                                     "collective": "all_reduce"}
     assert report.table().splitlines()[-1].startswith("tiny (4 layers, tp=2, bfloat16): 9 of 9 all-reduce sites fused")
 
 
@@ -212,3 +218,106 @@ def test_deepseek_v3_tp8_full_depth():
     report = report_model(get_preset("deepseek-v3"), 8, name="deepseek-v3")
     assert report.allreduce_sites == report.fused_sites == report.fused_ops == 123
     assert [row.layer for row in report.sites[1:]] == [i for i in range(61) for _ in range(2)]
+
+
+# ---------------------------------------------------------------- report_compiled: any function or module
+
+
+class ToyBlock(nn.Module):
+    """A pre-norm decoder block with row-parallel attention and MLP outputs (all-reduced)."""
+
+    def __init__(self, ctx, dim: int = 16, dtype: torch.dtype = torch.float32, grad: bool = False) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.input_layernorm = RMSNorm(dim, 1e-6, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(dim, 1e-6, dtype=dtype)
+        self.self_attn, self.mlp = ToyAttention(dim, dtype), ToyMLP(dim, dtype)
+        for p in self.parameters():
+            p.requires_grad_(grad)
+            nn.init.normal_(p, 1.0 if p.dim() == 1 else 0.0, 0.1)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.ctx.all_reduce(self.self_attn(self.input_layernorm(hidden)))
+        return hidden + self.ctx.all_reduce(self.mlp(self.post_attention_layernorm(hidden)))
+
+
+class ToyStack(nn.Module):
+    """Blocks, then the final norm."""
+
+    def __init__(self, ctx, layers: int = 2, grad: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([ToyBlock(ctx, grad=grad) for _ in range(layers)])
+        self.norm = RMSNorm(16, 1e-6, dtype=torch.float32)
+        nn.init.normal_(self.norm.weight, 1.0, 0.1)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            hidden = layer(hidden)
+        return self.norm(hidden)
+
+
+def test_report_compiled_whole_stack_fuses_every_site():
+    with fake_process_group(2) as group, torch.no_grad():
+        report = report_compiled(ToyStack(ParallelContext.from_group(group)), torch.randn(3, 16), fullgraph=True)
+    assert (report.allreduce_sites, report.fused_sites, report.fused_ops, report.tp, report.layers) == (4, 4, 4, 2, 2)
+    assert [(row.layer, row.block, row.fused, row.graph) for row in report.sites] == [
+        (0, "attention", True, 0), (0, "MLP", True, 0), (1, "attention", True, 0), (1, "MLP", True, 0)]
+    assert report.model == "ToyStack" and report.dtype == "float32"
+
+
+def test_report_compiled_with_grad_enabled_says_why():
+    """With grad enabled the forward graph saves the norms' intermediates for backward: nothing fuses,
+    and every row says so, naming the saved node."""
+    with fake_process_group(2) as group:
+        report = report_compiled(ToyStack(ParallelContext.from_group(group), grad=True), torch.randn(3, 16),
+                                 fullgraph=True)
+    assert (report.allreduce_sites, report.fused_sites) == (4, 0)
+    for row in report.sites:
+        assert re.fullmatch(r"`\w+` \(\w+\) inside the all-reduce -> RMSNorm chain is saved for backward \(grad is "
+                            r"enabled\): compile under torch\.no_grad\(\) or torch\.inference_mode\(\)", row.reason), row
+
+
+def test_report_compiled_one_graph_per_block_says_the_norm_is_in_another_graph():
+    """torchtitan compiles one block at a time: the MLP's sum ends that graph and its norm begins the next
+    (here the same graph run again). The report says so; the whole stack in one graph fuses it."""
+    with fake_process_group(2) as group, torch.no_grad():
+        block_report = report_compiled(ToyStack(ParallelContext.from_group(group)).layers[0], torch.randn(3, 16),
+                                       fullgraph=True)
+    assert [(row.block, row.fused) for row in block_report.sites] == [("attention", True), ("MLP", False)]
+    assert re.fullmatch(
+        r"`\w+` \(the all-reduced value plus residual\) is returned from the graph and no RMSNorm follows it here: "
+        r"graph 0 applies an RMSNorm to its input `\w+`, so the norm is in another graph \(or a later run of this "
+        r"one, as with torch\.compile on each decoder block\): compile the whole stack as one graph",
+        block_report.sites[1].reason)
+
+
+def test_report_compiled_rows_of_every_graph():
+    """A graph break between two blocks makes two graphs: rows of both, the first graph's MLP sum pointing at
+    the second graph, whose first norm reads it."""
+    with fake_process_group(2) as group, torch.no_grad():
+        stack = ToyStack(ParallelContext.from_group(group))
+
+        def broken_stack(hidden):
+            hidden = stack.layers[0](hidden)
+            torch._dynamo.graph_break()
+            return stack.norm(stack.layers[1](hidden))
+
+        report = report_compiled(broken_stack, torch.randn(3, 16))
+    assert [(row.graph, row.index, row.block, row.fused) for row in report.sites] == [
+        (0, 0, "attention", True), (0, 1, "MLP", False), (1, 0, "attention", True), (1, 1, "MLP", True)]
+    assert "graph 1 applies an RMSNorm to its input" in report.sites[1].reason
+    assert (report.allreduce_sites, report.fused_sites, report.fused_ops) == (4, 3, 3)
+    assert "1:1" in report.table()
+
+
+def test_report_compiled_lists_reduce_scatter_sites():
+    def sequence_parallel_site(x, res, w):
+        h = funcol.reduce_scatter_tensor(x, "sum", 0, dist.group.WORLD) + res
+        return F.rms_norm(h, (16,), w, 1e-6), h
+
+    with fake_process_group(2), torch.no_grad():
+        report = report_compiled(sequence_parallel_site, torch.randn(8, 16), torch.randn(4, 16), torch.randn(16),
+                                 fullgraph=True)
+    (row,) = report.sites
+    assert (row.collective, row.fused, report.allreduce_sites) == ("reduce_scatter", False, 0)
+    assert row.reason.startswith("`reduce_scatter_tensor` is a reduce-scatter (sequence parallel), not an all-reduce")

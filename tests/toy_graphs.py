@@ -57,13 +57,68 @@ def rmsnorm_functional(h: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return F.rms_norm(h, (h.shape[-1],), weight, eps)
 
 
+def rmsnorm_gpt_fast(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """gpt-fast's RMSNorm: `x * x` (not `pow`), `torch.mean(..., dim=-1)`, `type_as`, `output * weight`."""
+
+    def _norm(x):
+        return x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + eps)
+
+    return _norm(h.float()).type_as(h) * weight
+
+
+def rmsnorm_rsqrt_on_left(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rsqrt(variance + eps) * x`, the weight on the left of the cast-back value."""
+    hidden = h.to(torch.float32)
+    return weight * (torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps) * hidden).to(h.dtype)
+
+
+def rmsnorm_eps_first_square(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`eps + mean(x.square(), dim=<last index>)`, upcast twice with `.float()`."""
+    variance = h.float().square().mean(h.dim() - 1, keepdim=True)
+    return weight * (h.float() * torch.rsqrt(eps + variance)).to(h.dtype)
+
+
+def rmsnorm_one_over_sqrt(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x * (1 / sqrt(variance + eps))`."""
+    hidden = h.float()
+    return weight * (hidden * (1 / torch.sqrt(hidden.pow(2).mean(-1, keepdim=True) + eps))).to(h.dtype)
+
+
+def rmsnorm_divide_by_sqrt(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x / sqrt(variance + eps)`, `x ** 2`."""
+    hidden = h.float()
+    return (hidden / torch.sqrt((hidden**2).mean(-1, keepdim=True) + eps)).to(h.dtype) * weight
+
+
+def rmsnorm_reciprocal_sqrt(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x * reciprocal(sqrt(variance + eps))`."""
+    hidden = h.float()
+    return weight * (hidden * torch.reciprocal(torch.sqrt(hidden.pow(2).mean(-1, keepdim=True) + eps))).to(h.dtype)
+
+
+def rmsnorm_power_minus_half(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x * (variance + eps) ** -0.5`."""
+    hidden = h.float()
+    return weight * (hidden * (hidden.pow(2).mean(-1, keepdim=True) + eps) ** -0.5).to(h.dtype)
+
+
 RMSNORMS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
     "transformers": rmsnorm_transformers,
     "weight_on_right": rmsnorm_weight_on_right,
     "weight_in_fp32": rmsnorm_weight_in_fp32,
     "weight_in_fp32_left": rmsnorm_weight_in_fp32_left,
     "functional": rmsnorm_functional,
+    "gpt_fast": rmsnorm_gpt_fast,
+    "rsqrt_on_left": rmsnorm_rsqrt_on_left,
+    "eps_first_square": rmsnorm_eps_first_square,
+    "one_over_sqrt": rmsnorm_one_over_sqrt,
+    "divide_by_sqrt": rmsnorm_divide_by_sqrt,
+    "reciprocal_sqrt": rmsnorm_reciprocal_sqrt,
+    "power_minus_half": rmsnorm_power_minus_half,
 }
+#: Spellings that multiply by the weight after the cast back and use rsqrt, as the fused op does:
+#: bit-identical to it in every dtype.
+SAME_ROUNDING = ("transformers", "weight_on_right", "gpt_fast", "rsqrt_on_left", "eps_first_square")
 
 # ---------------------------------------------------------------- all-reduce as users write it
 

@@ -7,10 +7,12 @@ dynamic=True)` through an eager-inner `FxfuseBackend`: dynamo, AOT autograd and 
 run as in a real compile, and the compiled graph then "runs" on fake tensors (no compute). Fake CPU
 tensors rather than the meta device: torch's pattern matcher skips nodes with meta tensors.
 
-Every all-reduce in the graph before the passes is one `SiteRow`: its decoder layer and block
-(embedding / attention / MLP / MoE), read from the `nn_module_stack` that the node computing the
-all-reduced value carries through AOT autograd; whether it ended up inside a fused op (possibly
-after being merged with another all-reduce); and if not, why (`explain_unfused`).
+Every all-reduce (and reduce-scatter, never fused) in a graph before the passes is one `SiteRow`:
+its decoder layer and block (embedding / attention / MLP / MoE), read from the `nn_module_stack` that
+the node computing the reduced value carries through AOT autograd; whether it ended up inside a fused
+op (possibly after being merged with another all-reduce); and if not, why (`explain_unfused`). A
+compile that makes several graphs (graph breaks, one compile per block) gives rows for each, marked
+with the graph's index. `fxfuse.inspect.compiled_report` reports any function or module this way.
 """
 
 from __future__ import annotations
@@ -31,9 +33,15 @@ from fxfuse.backend import CompileRecord, FxfuseBackend
 from fxfuse.models.config import ModelConfig
 from fxfuse.models.parallel import ParallelContext
 from fxfuse.op.schema import FUSED_OPS
-from fxfuse.passes.allreduce_rmsnorm_fusion import explain_unfused
 from fxfuse.passes.config import PATTERNS
 from fxfuse.passes.pattern_support import ALL_REDUCE
+from fxfuse.passes.unfused_reasons import (
+    REDUCE_SCATTER,
+    explain_unfused,
+    in_another_graph,
+    needs_another_graph,
+    normed_inputs,
+)
 
 #: Block kinds by a word of the module's class name, outermost module first (DeepSeek-V3 reference
 #: and Hugging Face spellings: VocabParallelEmbedding, MLAttention, MoE, ParallelGatedMLP, ...).
@@ -44,12 +52,13 @@ LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 @dataclass(frozen=True)
 class SiteRow:
-    """One all-reduce of the graph before the passes, in graph order.
+    """One all-reduce (or reduce-scatter) of a graph before the passes, in graph order.
 
-    `module`: path of the innermost module computing the all-reduced value (`model.layers.3.mlp`);
+    `module`: path of the innermost module computing the reduced value (`model.layers.3.mlp`);
     `layer`: its decoder layer index (None outside the layers); `block`: embedding, attention, MLP,
     MoE, or the module's class name; `merged`: reduced together with another site first (pattern 3);
-    `reason`: why it is not fused (None when fused).
+    `reason`: why it is not fused (None when fused); `graph`: which compiled graph (pass run) it is in;
+    `collective`: `all_reduce` or `reduce_scatter`.
     """
 
     index: int
@@ -59,15 +68,17 @@ class SiteRow:
     fused: bool
     merged: bool
     reason: str | None
+    graph: int = 0
+    collective: str = "all_reduce"
 
 
 @dataclass(frozen=True)
 class FusionReport:
-    """What the pass made of one model's graph: counts, one row per all-reduce site, timings.
+    """What the pass made of one model's graphs: counts, one row per site, timings.
 
-    `allreduce_sites`: all-reduces before the passes; `fused_sites`: those that ended up inside a
-    fused op; `fused_ops`: fused ops in the rewritten graph (fewer than `fused_sites` when sites were
-    merged); `trace_seconds`: dynamo + AOT autograd (the whole compile minus the passes);
+    `allreduce_sites`: all-reduces before the passes (summed over the compiled graphs); `fused_sites`:
+    those that ended up inside a fused op; `fused_ops`: fused ops in the rewritten graphs (fewer than
+    `fused_sites` when sites were merged); `trace_seconds`: dynamo + AOT autograd (the whole compile minus the passes);
     `pass_seconds`: the fxfuse passes with the backend's before/after snapshots (the first run in a
     process includes tracing the patterns).
     """
@@ -91,10 +102,12 @@ class FusionReport:
     def table(self) -> str:
         """One line per site, then the totals."""
         lines = [f"{'#':>4}  {'layer':>5}  {'block':<10}  {'fused':<6}  module / reason"]
+        several_graphs = any(row.graph for row in self.sites)
         for row in self.sites:
             layer = "-" if row.layer is None else str(row.layer)
             fused = ("merged" if row.merged else "yes") if row.fused else "NO"
-            lines.append(f"{row.index:>4}  {layer:>5}  {row.block:<10}  {fused:<6}  {row.module}"
+            number = f"{row.graph}:{row.index}" if several_graphs else str(row.index)
+            lines.append(f"{number:>4}  {layer:>5}  {row.block:<10}  {fused:<6}  {row.module}"
                          + ("" if row.reason is None else f": {row.reason}"))
         lines.append(
             f"{self.model} ({self.layers} layers, tp={self.tp}, {self.dtype}): {self.fused_sites} of "
@@ -137,20 +150,39 @@ def site_location(producer: torch.fx.Node) -> tuple[int | None, str, str]:
 
 
 class SiteTracingBackend(FxfuseBackend):
-    """An eager-inner `FxfuseBackend` that also records one `SiteRow` per all-reduce and times the passes."""
+    """An eager-inner `FxfuseBackend` that also records one `SiteRow` per site and times the passes.
+
+    `sites` holds the rows of every graph compiled so far, in compile order. A site whose sum is
+    returned from its graph with no RMSNorm after it, while some compiled graph applies an RMSNorm
+    to an input, says so (`in_another_graph`).
+    """
 
     def __init__(self, patterns=PATTERNS) -> None:
         super().__init__(inner="eager", patterns=patterns)
         self.sites: list[SiteRow] = []
         self.pass_seconds = 0.0
+        self._rows_as_found: list[SiteRow] = []  # `sites` before `in_another_graph`
+        self._normed_inputs: list[tuple[int, str]] = []  # (graph index, input name) read by an RMSNorm
 
     def rewrite(self, graph: torch.fx.Graph) -> None:
         producers = [node.args[0] for node in graph.find_nodes(op="call_function", target=ALL_REDUCE)]
+        scatters = list(graph.find_nodes(op="call_function", target=REDUCE_SCATTER))
         before = set(graph.nodes)
         start = time.perf_counter()
         super().rewrite(graph)
         self.pass_seconds += time.perf_counter() - start
-        self.sites = self._rows(graph, producers, before)
+        index = len(self.records) - 1
+        rows = self._rows(graph, producers, before)
+        rows += [self._scatter_row(node, len(rows) + i) for i, node in enumerate(scatters)]
+        self._rows_as_found += [replace(row, graph=index) for row in rows]
+        if any(needs_another_graph(row.reason) for row in self._rows_as_found):  # else skip the graph copy
+            self._normed_inputs += [(index, name) for name in normed_inputs(graph)]
+        self.sites = [_in_another_graph(row, self._normed_inputs) for row in self._rows_as_found]
+
+    def _scatter_row(self, node: torch.fx.Node, index: int) -> SiteRow:
+        layer, block, module = site_location(node.args[0])
+        return SiteRow(index, layer, block, module, False, False, explain_unfused(node, self.config),
+                       collective="reduce_scatter")
 
     def _rows(self, graph: torch.fx.Graph, producers: list[torch.fx.Node], before: set[torch.fx.Node]) -> list[SiteRow]:
         """Follow each site's producer into the rewritten graph: the input of a fused op or of an
@@ -172,6 +204,14 @@ class SiteTracingBackend(FxfuseBackend):
             reason = None if is_fused else reasons.get(producer, "not found in the rewritten graph")
             rows.append(SiteRow(index, layer, block, module, is_fused, producer in merged, reason))
         return rows
+
+
+def _in_another_graph(row: SiteRow, normed: list[tuple[int, str]]) -> SiteRow:
+    """`row` with its reason made exact when its norm is in another graph (`in_another_graph`), one of
+    the other graphs preferred."""
+    normed = sorted(normed, key=lambda entry: entry[0] == row.graph)
+    reason = in_another_graph(row.reason, normed) if row.reason is not None else None
+    return row if reason == row.reason else replace(row, reason=reason)
 
 
 def _original_inputs(node: torch.fx.Node, before: set[torch.fx.Node]) -> list[torch.fx.Node]:
@@ -244,17 +284,17 @@ def report_model(
 
 def summarize(backend: SiteTracingBackend, compile_seconds: float, *, model: str, layers: int, tp: int,
               dtype: torch.dtype) -> FusionReport:
-    """The `FusionReport` of a `trace_sites` run."""
-    record: CompileRecord = backend.records[-1]
+    """The `FusionReport` of a `trace_sites` run (summed over its graphs when it compiled several)."""
+    records: list[CompileRecord] = backend.records
     return FusionReport(
         model=model,
         layers=layers,
         tp=tp,
         dtype=str(dtype).removeprefix("torch."),
-        allreduce_sites=record.stats.allreduces_before,
+        allreduce_sites=sum(record.stats.allreduces_before for record in records),
         fused_sites=sum(row.fused for row in backend.sites),
-        fused_ops=record.stats.fused,
-        merged=record.stats.merged,
+        fused_ops=sum(record.stats.fused for record in records),
+        merged=sum(record.stats.merged for record in records),
         trace_seconds=round(compile_seconds - backend.pass_seconds, 3),
         pass_seconds=round(backend.pass_seconds, 3),
         sites=tuple(backend.sites),

@@ -1,0 +1,519 @@
+"""One spelling for every all-reduce -> (merge add) -> residual add -> RMSNorm chain, before matching.
+
+Code written elsewhere spells the same chain many ways. Rather than a traced pattern per spelling, the
+passes first call `canonicalize(graph)`, which rewrites each chain that starts at a summed all-reduce
+into one form; the traced patterns then match that form only. Every rewrite keeps the values:
+
+- Reshapes (`view`, `reshape`, `_unsafe_view`, `unsqueeze`, `squeeze`) that keep the last dimension,
+  between the all-reduce, the merge add, the residual add and the norm, move up to the chain's inputs,
+  so the chain runs in the shape the norm sees: `view(wait(all_reduce(x)))` becomes
+  `wait(all_reduce(view(x)))` and `view(a + b)` becomes `view(a) + view(b)`; other users of the old
+  sum read a view of the new one, in the old shape.
+- An add of an all-reduced value reads `reduced + other` (the all-reduced operand first).
+- The RMSNorm arithmetic that reads a chain value `h` (or a cast of it): `c * c` becomes
+  `pow(c, 2)`; a mean over the last dimension named by its index becomes `mean(..., [-1])`;
+  `eps + mean` and `add.Scalar(mean, eps)` become `mean + eps` (`add.Tensor`); repeated casts of `h` to one dtype become one; `rsqrt(v) * c`
+  becomes `c * rsqrt(v)`; `weight * normed` becomes `normed * weight` (before or after the cast
+  back). All of these are exact in floating point.
+- `1 / sqrt(v)`, `reciprocal(sqrt(v))` and `v ** -0.5` become `rsqrt(v)`, and `c / sqrt(v)` becomes
+  `c * rsqrt(v)`, where `v = mean(c**2, -1) + eps`: the same math, which can differ from the original
+  in the last bit of a float32 (rsqrt is what the fused op computes). Like all rewrites here, they
+  touch only chains that start at a summed all-reduce, and stay where such a site is not fused.
+
+After it, an RMSNorm of a chain value `h` reads, with `c = h` or `c = h.to(float32)`,
+`n = c * rsqrt(mean(pow(c, 2), [-1], keepdim=True) + eps)`, then `n.to(dtype) * weight` or
+`(n * weight).to(dtype)` (in float32 `n * weight`). `find_rmsnorm(h)` returns its nodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+from torch._inductor.pattern_matcher import stable_topological_sort
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from fxfuse.passes.pattern_support import ALL_REDUCE, WAIT_TENSOR, same_shape
+
+aten = torch.ops.aten
+ADD = aten.add.Tensor
+ADD_SCALAR = aten.add.Scalar
+MUL = aten.mul.Tensor
+DIV = aten.div.Tensor
+POW = aten.pow.Tensor_Scalar
+MEAN = aten.mean.dim
+RSQRT = aten.rsqrt.default
+SQRT = aten.sqrt.default
+RECIPROCAL = aten.reciprocal.default
+CAST = torch.ops.prims.convert_element_type.default
+VIEW = aten.view.default
+
+#: Ops that only reshape; the chain sees through those that keep the last dimension.
+RESHAPES = frozenset(
+    {
+        VIEW,
+        aten.reshape.default,
+        aten._unsafe_view.default,
+        aten.unsqueeze.default,
+        aten.squeeze.dim,
+        aten.squeeze.dims,
+        aten.squeeze.default,
+    }
+)
+
+#: Node meta carried over to the nodes a rewrite makes (where the report finds a site's module).
+KEPT_META = ("nn_module_stack", "stack_trace", "source_fn_stack")
+
+
+def val(arg) -> torch.Tensor | None:
+    """The fake tensor a graph node computes (None for a non-tensor or a literal)."""
+    value = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def is_call(node, target) -> bool:
+    """Whether `node` is a graph node calling `target`."""
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target
+
+
+def is_summed_wait(node) -> bool:
+    """`wait_tensor(all_reduce(x, "sum", group))`."""
+    if not is_call(node, WAIT_TENSOR):
+        return False
+    source = node.args[0]
+    return is_call(source, ALL_REDUCE) and source.args[1] == "sum"
+
+
+def is_reshape(node) -> bool:
+    """A node calling one of `RESHAPES`."""
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in RESHAPES
+
+
+def keeps_last_dim(reshape: torch.fx.Node) -> bool:
+    """Whether a reshape's result has its input's last dimension (size) as its own last dimension."""
+    before, after = val(reshape.args[0]), val(reshape)
+    return (
+        before is not None
+        and after is not None
+        and before.dim() >= 1
+        and after.dim() >= 1
+        and statically_known_true(before.shape[-1] == after.shape[-1])
+    )
+
+
+def is_same_shape_add(node) -> bool:
+    """`aten.add.Tensor(a, b)` of two tensors of the result's shape (no scalar, broadcast or alpha)."""
+    if not is_call(node, ADD) or node.kwargs.get("alpha", 1) != 1 or len(node.args) != 2:
+        return False
+    a, b, out = val(node.args[0]), val(node.args[1]), val(node)
+    return a is not None and b is not None and out is not None and same_shape(a, out) and same_shape(b, out)
+
+
+def is_reduced(node, depth: int = 8) -> bool:
+    """A sum over a group: a summed all-reduce result, or a mergeable sum of two (`is_merge_add`)."""
+    return is_summed_wait(node) or (depth > 0 and is_merge_add(node, depth - 1))
+
+
+def is_merge_add(node, depth: int = 8) -> bool:
+    """A same-shape add of two sums over a group, each read by nothing else (what pattern 3 merges)."""
+    return (
+        is_call(node, ADD)
+        and all(is_reduced(arg, depth) and len(arg.users) == 1 for arg in node.args)
+        and is_same_shape_add(node)
+    )
+
+
+def chain_values(graph: torch.fx.Graph) -> tuple[set[torch.fx.Node], list[torch.fx.Node]]:
+    """(reduced values, other adds that read one), the latter in graph order."""
+    reduced: set[torch.fx.Node] = set()
+    adds: list[torch.fx.Node] = []
+    for node in graph.nodes:
+        if is_summed_wait(node) or (
+            is_call(node, ADD) and all(a in reduced and len(a.users) == 1 for a in node.args) and is_same_shape_add(node)
+        ):
+            reduced.add(node)
+        elif is_call(node, ADD) and any(arg in reduced for arg in node.args):
+            adds.append(node)
+    return reduced, adds
+
+
+# ---------------------------------------------------------------- the norm, once canonical
+
+
+@dataclass(frozen=True)
+class RMSNormNodes:
+    """An RMSNorm over the last dimension of `hidden`, in canonical form (see the module docstring).
+
+    `computed`: the value its statistic is computed on (`hidden` or a cast of it); `eps`: the float or
+    node added to the mean; `weight`: the weight operand (None: no weight multiply); `output`: the
+    norm's result; `inner`: the nodes after `hidden` up to, not including, `output` (what a fused op
+    replaces besides the output).
+    """
+
+    hidden: torch.fx.Node
+    computed: torch.fx.Node
+    eps: object
+    weight: object
+    output: torch.fx.Node
+    inner: tuple[torch.fx.Node, ...]
+
+
+def users_calling(node: torch.fx.Node, target, first: torch.fx.Node | None = None) -> list[torch.fx.Node]:
+    """Users of `node` that call `target` (with `first` as their first argument, when given), in order."""
+    return [u for u in node.users if is_call(u, target) and (first is None or u.args[0] is first)]
+
+
+def _is_last_dim_mean(mean: torch.fx.Node) -> bool:
+    """`mean(t, [-1], keepdim=True)`."""
+    keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
+    return list(mean.args[1]) == [-1] and keepdim is True
+
+
+def find_rmsnorm(hidden: torch.fx.Node) -> RMSNormNodes | None:
+    """The canonical RMSNorm over the last dimension that reads `hidden`, if there is one."""
+    for computed in [hidden] + users_calling(hidden, CAST, hidden):
+        for square in users_calling(computed, POW, computed):
+            if square.args[1] != 2:
+                continue
+            for mean in users_calling(square, MEAN, square):
+                if not _is_last_dim_mean(mean):
+                    continue
+                for add_eps in users_calling(mean, ADD, mean):
+                    for inverse_rms in users_calling(add_eps, RSQRT, add_eps):
+                        for normalized in users_calling(inverse_rms, MUL):
+                            if normalized.args == (computed, inverse_rms):
+                                statistic = (square, mean, add_eps, inverse_rms, normalized)
+                                return _with_weight(hidden, computed, statistic)
+    return None
+
+
+def _weight_multiply(value: torch.fx.Node) -> tuple[torch.fx.Node, object] | None:
+    """(`value * w` node, w) for the first multiply of `value` by something else, either side."""
+    for user in users_calling(value, MUL):
+        if len(user.args) == 2 and user.args[0] is not user.args[1]:
+            return user, (user.args[1] if user.args[0] is value else user.args[0])
+    return None
+
+
+def _with_weight(hidden: torch.fx.Node, computed: torch.fx.Node, statistic: tuple) -> RMSNormNodes:
+    """Complete a found statistic with the weight multiply and the cast back to `hidden`'s dtype."""
+    normalized = statistic[-1]
+    inner = ([computed] if computed is not hidden else []) + list(statistic)
+    dtype = val(hidden).dtype if val(hidden) is not None else None
+    casts_back = [c for c in users_calling(normalized, CAST, normalized) if c.args[1] == dtype]
+    weight, output = None, normalized
+    if casts_back and _weight_multiply(casts_back[0]):  # n.to(dtype) * weight
+        inner.append(casts_back[0])
+        output, weight = _weight_multiply(casts_back[0])
+    elif _weight_multiply(normalized):  # (n * weight).to(dtype), or n * weight when n has hidden's dtype
+        output, weight = _weight_multiply(normalized)
+        later_casts = [c for c in users_calling(output, CAST, output) if c.args[1] == dtype]
+        if computed is not hidden and later_casts:
+            inner.append(output)
+            output = later_casts[0]
+    elif casts_back:
+        output = casts_back[0]
+    return RMSNormNodes(hidden, computed, statistic[2].args[1], weight, output, tuple(inner))
+
+
+# ---------------------------------------------------------------- rewriting
+
+
+class _Rewriter:
+    """The canonicalizing rewrites of one graph; `changes` counts them."""
+
+    def __init__(self, graph: torch.fx.Graph) -> None:
+        self.graph = graph
+        self.changes = 0
+        self.views_back: set[torch.fx.Node] = set()  # views made for old-shape users: never moved again
+
+    def emit(self, target, args: tuple, *, before: torch.fx.Node, meta_from: torch.fx.Node) -> torch.fx.Node | None:
+        """A new `target(*args)` node before `before`, with its fake value; None if the op rejects the args."""
+        values = _meta_values(args)
+        fake_mode = detect_fake_mode([v for v in _flatten(values) if isinstance(v, torch.Tensor)])
+        try:
+            with fake_mode if fake_mode is not None else contextlib.nullcontext():
+                value = target(*values)
+        except RuntimeError:
+            return None
+        with self.graph.inserting_before(before):
+            node = self.graph.call_function(target, args)
+        node.meta.update({k: meta_from.meta[k] for k in KEPT_META if k in meta_from.meta})
+        node.meta["val"] = value
+        return node
+
+    def emit_all(self, steps, before: torch.fx.Node) -> list[torch.fx.Node] | None:
+        """Emit `(target, args_fn, meta_from)` steps in order (each `args_fn` gets the nodes made so
+        far); all of them or, if any op rejects its arguments, none (those made are erased again)."""
+        made: list[torch.fx.Node] = []
+        for target, args_fn, meta_from in steps:
+            node = self.emit(target, args_fn(made), before=before, meta_from=meta_from)
+            if node is None:
+                for unused in reversed(made):
+                    self.graph.erase_node(unused)
+                return None
+            made.append(node)
+        return made
+
+    # ---- reshapes
+
+    def hoist_reshapes(self) -> None:
+        """Move last-dim-keeping reshapes up through summed all-reduces and sums, until none moves."""
+        moved = True
+        while moved:
+            moved = False
+            for node in list(self.graph.nodes):
+                if node._erased or not is_reshape(node) or node in self.views_back:
+                    continue
+                source = node.args[0]
+                if is_summed_wait(source):
+                    moved |= keeps_last_dim(node) and self._reshape_before_all_reduce(node, source)
+                elif is_call(source, ADD) and any(is_reduced(arg) for arg in source.args[:2]):
+                    moved |= is_same_shape_add(source) and keeps_last_dim(node) and self._reshape_operands(node, source)
+        if self.changes:
+            stable_topological_sort(self.graph)
+
+    def _reshape_before_all_reduce(self, reshape: torch.fx.Node, wait: torch.fx.Node) -> bool:
+        """`reshape(wait(all_reduce(x)))` -> `wait(all_reduce(reshape(x)))`, when nothing else reads them."""
+        all_reduce = wait.args[0]
+        if len(wait.users) != 1 or len(all_reduce.users) != 1:
+            return False
+        x, rest = all_reduce.args[0], reshape.args[1:]
+        made = self.emit_all(
+            [
+                (reshape.target, lambda made: (x, *rest), x),
+                (ALL_REDUCE, lambda made: (made[0], *all_reduce.args[1:]), all_reduce),
+                (WAIT_TENSOR, lambda made: (made[1],), wait),
+            ],
+            before=reshape,
+        )
+        if made is None:
+            return False
+        reshape.replace_all_uses_with(made[-1])
+        for old in (reshape, wait, all_reduce):
+            self.graph.erase_node(old)
+        self.changes += 1
+        return True
+
+    def _reshape_operands(self, reshape: torch.fx.Node, add: torch.fx.Node) -> bool:
+        """`reshape(a + b)` -> `reshape(a) + reshape(b)`; other users of `a + b` read a view back.
+
+        Only when the reshaped sum goes on to a norm or an add while the old sum feeds no norm (the
+        chain then runs in the norm's shape), and the reshape's size arguments are not computed from
+        the old sum.
+        """
+        others = [user for user in add.users if user is not reshape]
+        if not any(starts_norm(user, reshape) or is_call(user, ADD) for user in reshape.users):
+            return False
+        if any(starts_norm(user, add) for user in others) or _depends_on(reshape.args[1:], add):
+            return False
+        (a, b), rest = add.args, reshape.args[1:]
+        steps = [
+            (reshape.target, lambda made: (a, *rest), a),
+            (reshape.target, lambda made: (b, *rest), b),
+            (ADD, lambda made: (made[0], made[1]), add),
+        ]
+        back_sizes = self._size_args(_size_source(a), before=reshape) if others else []
+        if back_sizes is None:
+            return False
+        if others:
+            steps.append((VIEW, lambda made: (made[2], back_sizes), add))
+        made = self.emit_all(steps, before=reshape)
+        if made is None:
+            return False
+        reshape.replace_all_uses_with(made[2])
+        self.graph.erase_node(reshape)
+        if others:
+            self.views_back.add(made[3])
+            add.replace_all_uses_with(made[3])
+        self.graph.erase_node(add)
+        self.changes += 1
+        return True
+
+    def _size_args(self, like: torch.fx.Node, before: torch.fx.Node) -> list | None:
+        """`like`'s shape as view arguments: ints, and `sym_size(like, d)` nodes for symbolic sizes."""
+        sizes = []
+        for dim, size in enumerate(val(like).shape):
+            if isinstance(size, int):
+                sizes.append(size)
+                continue
+            node = self.emit(aten.sym_size.int, (like, dim), before=before, meta_from=like)
+            if node is None:
+                return None
+            sizes.append(node)
+        return sizes
+
+    # ---- adds and norm spellings
+
+    def order_adds(self, adds: Iterable[torch.fx.Node], reduced: set[torch.fx.Node]) -> None:
+        """`other + reduced` -> `reduced + other` (addition commutes exactly); of two reduced operands,
+        the one read by nothing else comes first (the one a fused op can consume)."""
+
+        def rank(operand) -> tuple[bool, bool]:
+            return operand in reduced, operand in reduced and len(operand.users) == 1
+
+        for add in adds:
+            if rank(add.args[1]) > rank(add.args[0]):
+                add.args = (add.args[1], add.args[0])
+                self.changes += 1
+
+    def canonicalize_norm_of(self, hidden: torch.fx.Node) -> None:
+        """Rewrite the RMSNorm spellings that read `hidden` (or its casts) into the canonical form."""
+        casts = users_calling(hidden, CAST, hidden)
+        for index, cast in enumerate(casts):
+            first = next(c for c in casts[: index + 1] if c.args[1:] == cast.args[1:] and c.kwargs == cast.kwargs)
+            if first is not cast:
+                cast.replace_all_uses_with(first)
+                self.graph.erase_node(cast)
+                self.changes += 1
+        for computed in [hidden] + users_calling(hidden, CAST, hidden):
+            self._canonicalize_statistic(computed)
+
+    def _canonicalize_statistic(self, computed: torch.fx.Node) -> None:
+        for user in list(computed.users):
+            if is_call(user, MUL) and user.args == (computed, computed):
+                self._retarget(user, POW, (computed, 2))
+        for square in users_calling(computed, POW, computed):
+            if square.args[1] != 2:
+                continue
+            for mean in users_calling(square, MEAN, square):
+                self._canonicalize_mean(mean)
+                if not _is_last_dim_mean(mean):
+                    continue
+                for user in list(mean.users):
+                    if is_call(user, ADD_SCALAR) and user.args[0] is mean:  # F.rms_norm's functionalized `add_`
+                        self._retarget(user, ADD, user.args)
+                    if is_call(user, ADD) and user.args[1] is mean and user.args[0] is not mean:
+                        user.args = (mean, user.args[0])
+                        self.changes += 1
+                for add_eps in users_calling(mean, ADD, mean):
+                    self._canonicalize_inverse_rms(add_eps, computed)
+
+    def _canonicalize_mean(self, mean: torch.fx.Node) -> None:
+        """`mean(t, [d], keepdim)` with d the index of the last dimension -> `mean(t, [-1], keepdim)`."""
+        dims, value = list(mean.args[1]), val(mean.args[0])
+        if value is not None and len(dims) == 1 and dims != [-1] and dims[0] == value.dim() - 1:
+            mean.args = (mean.args[0], [-1], *mean.args[2:])
+            self.changes += 1
+
+    def _canonicalize_inverse_rms(self, add_eps: torch.fx.Node, computed: torch.fx.Node) -> None:
+        """Every spelling of `1 / sqrt(add_eps)` -> one `rsqrt(add_eps)`, used as `computed * rsqrt`."""
+        for power in users_calling(add_eps, POW, add_eps):
+            if power.args[1] == -0.5:
+                self._retarget(power, RSQRT, (add_eps,))
+        for root in users_calling(add_eps, SQRT, add_eps):
+            for user in list(root.users):
+                if is_call(user, RECIPROCAL) or (is_call(user, DIV) and user.args == (1, root)):
+                    self._retarget(user, RSQRT, (add_eps,))
+                elif is_call(user, DIV) and user.args == (computed, root):
+                    self._retarget(user, MUL, (computed, self._rsqrt_of(add_eps, like=root)))
+            if not root.users:
+                self.graph.erase_node(root)
+        inverses = users_calling(add_eps, RSQRT, add_eps)
+        for duplicate in inverses[1:]:
+            duplicate.replace_all_uses_with(inverses[0])
+            self.graph.erase_node(duplicate)
+            self.changes += 1
+        for inverse in inverses[:1]:
+            for user in users_calling(inverse, MUL):
+                if user.args in ((inverse, 1), (1, inverse), (inverse, 1.0), (1.0, inverse)):
+                    user.replace_all_uses_with(inverse)
+                    self.graph.erase_node(user)
+                    self.changes += 1
+            for user in users_calling(inverse, MUL):
+                if user.args == (inverse, computed):
+                    user.args = (computed, inverse)
+                    self.changes += 1
+                if user.args == (computed, inverse):
+                    self._weight_on_the_right(user)
+
+    def _rsqrt_of(self, add_eps: torch.fx.Node, like: torch.fx.Node) -> torch.fx.Node:
+        """The `rsqrt(add_eps)` node, made right after `add_eps` (valued like `like`) if there is none."""
+        existing = users_calling(add_eps, RSQRT, add_eps)
+        if existing:
+            return existing[0]
+        with self.graph.inserting_after(add_eps):
+            node = self.graph.call_function(RSQRT, (add_eps,))
+        node.meta.update(like.meta)
+        self.changes += 1
+        return node
+
+    def _weight_on_the_right(self, normalized: torch.fx.Node) -> None:
+        """`weight * normalized` and `weight * normalized.to(dtype)` -> the weight on the right."""
+        for value in [normalized] + users_calling(normalized, CAST, normalized):
+            for user in users_calling(value, MUL):
+                if user.args[1] is value and user.args[0] is not value:
+                    user.args = (value, user.args[0])
+                    self.changes += 1
+
+    def _retarget(self, node: torch.fx.Node, target, args: tuple) -> None:
+        """Make `node` compute `target(*args)` in place (same shape and dtype as before)."""
+        node.target, node.args = target, args
+        self.changes += 1
+
+
+def _size_source(value: torch.fx.Node) -> torch.fx.Node:
+    """A node of `value`'s shape whose extra `sym_size` users block no fusion: `value` itself, or for a
+    reduced value the input of (the first of) its all-reduce(s), which patterns bind as an argument."""
+    while is_reduced(value):
+        value = value.args[0].args[0] if is_summed_wait(value) else value.args[0]
+    return value
+
+
+def starts_norm(user: torch.fx.Node, value: torch.fx.Node) -> bool:
+    """Whether `user` may begin an RMSNorm of `value`: a cast, a square, or `value * value`."""
+    return (
+        is_call(user, CAST)
+        or (is_call(user, POW) and user.args == (value, 2))
+        or (is_call(user, MUL) and user.args == (value, value))
+    )
+
+
+def _depends_on(args, node: torch.fx.Node, depth: int = 6) -> bool:
+    """Whether a graph node in `args` is computed from `node` (looking up to `depth` steps back)."""
+    frontier = {a for a in _flatten(args) if isinstance(a, torch.fx.Node)}
+    for _ in range(depth):
+        if node in frontier:
+            return True
+        frontier = {arg for n in frontier for arg in n.all_input_nodes}
+    return node in frontier
+
+
+def _meta_values(arg):
+    """`arg` with every graph node replaced by its meta value (recursively through lists/tuples)."""
+    if isinstance(arg, torch.fx.Node):
+        return arg.meta.get("val")
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(_meta_values(a) for a in arg)
+    return arg
+
+
+def _flatten(values) -> list:
+    flat = []
+    for v in values:
+        flat.extend(_flatten(v) if isinstance(v, (list, tuple)) else [v])
+    return flat
+
+
+def canonicalize(graph: torch.fx.Graph) -> int:
+    """Rewrite every all-reduce chain of `graph` into the canonical form, in place; returns how many
+    rewrites it made (0 for a graph already canonical, so calling it again changes nothing)."""
+    rewriter = _Rewriter(graph)
+    rewriter.hoist_reshapes()
+    reduced, adds = chain_values(graph)
+    rewriter.order_adds(adds, reduced)
+    hidden_values = reduced | set(adds)
+    return rewriter.changes + canonicalize_norms(graph, [node for node in graph.nodes if node in hidden_values])
+
+
+def canonicalize_norms(graph: torch.fx.Graph, values: Iterable[torch.fx.Node]) -> int:
+    """Rewrite the RMSNorm spellings that read each of `values` (or a cast of it) into the canonical
+    form, in place; returns how many rewrites it made."""
+    rewriter = _Rewriter(graph)
+    for value in values:
+        rewriter.canonicalize_norm_of(value)
+    return rewriter.changes
