@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -83,6 +84,18 @@ def check_output_dir(path: str | os.PathLike, flag: str) -> None:
         raise ValueError(f"{flag} {path}: {str(existing)!r} is not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"{flag} {path}: {str(existing)!r} is not writable")
+
+
+def parsed_or_status(parse: Callable[[], Any]) -> tuple[Any, int | None]:
+    """Run `parse` (a command's argument parsing and checks): `(args, None)`, or `(None, exit status)`
+    after `--help`, a usage error (already printed) or a ValueError (printed as one `fxfuse: error:` line)."""
+    try:
+        return parse(), None
+    except SystemExit as exc:  # --help, or a usage error already printed
+        return None, int(exc.code or 0)
+    except ValueError as exc:
+        print(f"fxfuse: error: {exc}", file=sys.stderr)
+        return None, 2
 
 
 def write_json(path: str | os.PathLike, document: Any) -> None:

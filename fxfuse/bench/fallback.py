@@ -34,8 +34,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from fxfuse.bench.arguments import FALLBACK_DESCRIPTION, add_fallback_arguments
-from fxfuse.bench.output import package_versions, publish, relative_l2_error, write_result_files
-from fxfuse.command_line import CommandParser, check_output_dir
+from fxfuse.bench.output import header_lines, package_versions, publish, relative_l2_error, write_result_files
+from fxfuse.command_line import CommandParser, check_output_dir, parsed_or_status
 from fxfuse.runner.launch import run_on_ranks
 
 EPS = 1e-6
@@ -51,23 +51,20 @@ def block(inp: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, group
     return weight * normed, hidden
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Parse `fxfuse bench fallback` arguments (a usage error exits with status 2)."""
+def checked_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parse `fxfuse bench fallback` arguments (a usage error exits with status 2) and check --out-dir."""
     p = CommandParser(prog="fxfuse bench fallback", description=FALLBACK_DESCRIPTION)
     add_fallback_arguments(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_output_dir(args.out_dir, "--out-dir")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark on one GPU, write its files, return the exit status."""
-    try:
-        args = parse_args(argv)
-        check_output_dir(args.out_dir, "--out-dir")
-    except SystemExit as exc:  # --help, or a usage error already printed
-        return int(exc.code or 0)
-    except ValueError as exc:
-        print(f"fxfuse: error: {exc}", file=sys.stderr)
-        return 2
+    args, status = parsed_or_status(lambda: checked_args(argv))
+    if status is not None:
+        return status
     if not torch.cuda.is_available():
         print("fxfuse: error: fxfuse bench fallback needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -205,12 +202,7 @@ def _host_cost(variants: dict, inputs, group_name: str, calls: int) -> dict:
 
 def markdown(report: dict) -> str:
     """The report as a markdown table."""
-    lines = [
-        f"# fxfuse bench fallback: {report['gpu']}, one-rank NCCL group, {report['dtype']}",
-        "",
-        f"- date: {report['date']}",
-        f"- command: `{report['command']}`",
-        "- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
+    lines = header_lines(f"fxfuse bench fallback: {report['gpu']}, one-rank NCCL group, {report['dtype']}", report) + [
         f"- timing: CUDA-graph replay of {report['iters']} calls, median (p25-p75) of {report['repeats']} samples, "
         "microseconds per call; variants interleaved",
         f"- correctness: max relative L2 error vs fp32 {report['max_rel_err']:.2e}",

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from fxfuse.bench.arguments import KERNEL_DESCRIPTION, add_kernel_arguments, check_kernel_arguments
 from fxfuse.bench.kernel_report import FUSED_MODES, VARIANTS, derive_thresholds, markdown, write_report
 from fxfuse.bench.output import package_versions, publish, relative_l2_error
-from fxfuse.command_line import CommandParser, check_output_dir, check_output_file
+from fxfuse.command_line import CommandParser, check_output_dir, check_output_file, parsed_or_status
 from fxfuse.op.modes import FusionMode
 from fxfuse.runner.launch import run_on_ranks, under_torchrun
 
@@ -68,18 +68,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _checked_args(argv: list[str] | None) -> argparse.Namespace:
+    """The parsed arguments, with the output paths checked (ValueError naming a bad one)."""
+    args = parse_args(argv)
+    check_output_dir(args.out_dir, "--out-dir")
+    if args.write_thresholds:
+        check_output_file(args.write_thresholds, "--write-thresholds")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark (spawning ranks or joining torchrun), write the reports, return the exit status."""
-    try:
-        args = parse_args(argv)
-        check_output_dir(args.out_dir, "--out-dir")
-        if args.write_thresholds:
-            check_output_file(args.write_thresholds, "--write-thresholds")
-    except SystemExit as exc:  # --help, or a usage error already printed
-        return int(exc.code or 0)
-    except ValueError as exc:
-        print(f"fxfuse: error: {exc}", file=sys.stderr)
-        return 2
+    args, status = parsed_or_status(lambda: _checked_args(argv))
+    if status is not None:
+        return status
     if not torch.cuda.is_available():
         print("fxfuse: error: fxfuse bench kernel needs CUDA GPUs (this machine has none)", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
-from fxfuse.bench.output import write_result_files
+from fxfuse.bench.output import header_lines, write_result_files
 from fxfuse.op.modes import FusionMode
 from fxfuse.op.thresholds import ThresholdEntry, ThresholdTable, TokenRange
 
@@ -48,12 +48,7 @@ def _cell(row: dict[str, Any] | None, meaningful: bool) -> str:
 def markdown(report: dict[str, Any]) -> str:
     """A markdown summary: header facts, then one table of medians (µs per call) per hidden size."""
     meaningful = report["timings_meaningful"]
-    lines = [
-        f"# fxfuse bench kernel: {report['gpu']}, {report['world_size']} ranks, {report['dtype']}",
-        "",
-        f"- date: {report['date']}",
-        f"- command: `{report['command']}`",
-        "- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
+    lines = header_lines(f"fxfuse bench kernel: {report['gpu']}, {report['world_size']} ranks, {report['dtype']}", report) + [
         f"- timing: CUDA-graph replay of {report['graph_iters']} calls, median of {report['repeats']} replays, "
         "slowest rank, microseconds per call",
         f"- correctness: max relative error vs an fp32 reference over all checks: {report['max_rel_err']:.2e} "

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from fxfuse.bench.arguments import DEFAULT_CONTEXT, DEFAULT_LAYERS, DEFAULT_PRESET, MODEL_DESCRIPTION, add_model_arguments
 from fxfuse.bench.model_report import markdown, write_report
 from fxfuse.bench.output import package_versions, publish, relative_l2_error
-from fxfuse.command_line import CommandParser, check_output_dir
+from fxfuse.command_line import CommandParser, check_output_dir, parsed_or_status
 from fxfuse.runner.launch import run_on_ranks, under_torchrun
 from fxfuse.runner.options import BACKENDS, check_host_memory
 from fxfuse.runner.progress import Progress
@@ -143,17 +143,19 @@ def _tensor_parallel_size(args: argparse.Namespace) -> int:
     return tp
 
 
+def _checked_config(argv: list[str] | None) -> tuple[argparse.Namespace, ModelBenchConfig, int]:
+    """(parsed arguments, benchmark config, tp size) with --out-dir checked (ValueError naming a problem)."""
+    args = parse_args(argv)
+    check_output_dir(args.out_dir, "--out-dir")
+    return (args, *config_from_args(args))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark (spawning ranks or joining torchrun), write the reports, return the exit status."""
-    try:
-        args = parse_args(argv)
-        check_output_dir(args.out_dir, "--out-dir")
-        config, tp = config_from_args(args)
-    except SystemExit as exc:  # --help, or a usage error already printed
-        return int(exc.code or 0)
-    except ValueError as exc:
-        print(f"fxfuse: error: {exc}", file=sys.stderr)
-        return 2
+    checked, status = parsed_or_status(lambda: _checked_config(argv))
+    if status is not None:
+        return status
+    args, config, tp = checked
     report = run_on_ranks(bench_rank, tp, config, device=config.device, timeout_s=1800)[0]
     if report is None:  # a non-zero torchrun rank: rank 0 reports
         return 0

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from fxfuse.bench.output import write_result_files
+from fxfuse.bench.output import header_lines, write_result_files
 
 BACKEND_ORDER = ("eager", "inductor", "fxfuse")
 
@@ -79,13 +79,9 @@ def markdown(report: dict[str, Any]) -> str:
     config = report["config"]
     rows = summary_rows(report)
     checked = [r["rel_err_vs_eager"] for r in report["results"] if r["rel_err_vs_eager"] is not None]
-    lines = [
-        f"# fxfuse bench model: {report['gpu']}, tp={report['world_size']}, {config['preset']} "
-        f"({config['layers']} layers), {config['dtype']}",
-        "",
-        f"- date: {report['date']}",
-        f"- command: `{report['command']}`",
-        "- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
+    title = (f"fxfuse bench model: {report['gpu']}, tp={report['world_size']}, {config['preset']} "
+             f"({config['layers']} layers), {config['dtype']}")
+    lines = header_lines(title, report) + [
         f"- timing: {report['timing']}; milliseconds per verify step (one forward of batch x tokens, "
         f"attending over a {config['context']}-position KV cache)",
         f"- all-reduce sites per step: {_or_dash(report['allreduce_sites'])}, fused by fxfuse: "

@@ -41,6 +41,17 @@ def publish(report: dict[str, Any], benchmark: str, argv: list[str] | None, writ
     print(markdown(report))
 
 
+def header_lines(title: str, report: dict[str, Any]) -> list[str]:
+    """The first lines of every benchmark's markdown: `# title`, then the run's date, command and versions."""
+    return [
+        f"# {title}",
+        "",
+        f"- date: {report['date']}",
+        f"- command: `{report['command']}`",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
+    ]
+
+
 def relative_l2_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Relative L2 error ||actual - expected|| / ||expected||, in float32."""
     actual, expected = actual.float(), expected.float()
