@@ -28,7 +28,6 @@ import re
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed._functional_collectives as funcol
