@@ -206,6 +206,8 @@ BENCHMARKS = {
     "model": ("fxfuse.bench.model", "DeepSeek-V3 verify-step latency: eager vs inductor vs fxfuse, CUDA graphs", "add_model_arguments"),
     "fallback": ("fxfuse.bench.fallback", "the fused op's NCCL fallback vs Inductor's unfused code, one GPU (CUDA)",
                  "add_fallback_arguments"),
+    "gemm": ("fxfuse.bench.quant_gemm", "quantized FP8 / INT4 GEMMs vs bf16 at DeepSeek-V3 / Kimi-K2.5 shapes, one GPU (CUDA)",
+             "add_gemm_arguments"),
 }
 
 

@@ -1,6 +1,7 @@
-"""The options of `fxfuse bench model`, `kernel` and `fallback`, with their defaults; imports no torch.
+"""The options of `fxfuse bench model`, `kernel`, `fallback` and `gemm`, with their defaults; imports no torch.
 
-`add_model_arguments(parser)`, `add_kernel_arguments(parser)` and `add_fallback_arguments(parser)` declare each benchmark's options
+`add_model_arguments(parser)`, `add_kernel_arguments(parser)`, `add_fallback_arguments(parser)` and
+`add_gemm_arguments(parser)` declare each benchmark's options
 (the `fxfuse` command and each benchmark's own `python -m` entry share them), so `--help` and
 unknown options are answered before torch is imported. Options whose default depends on the machine
 (`--preset`, `--layers`, `--context` of the model benchmark) default to None and are resolved by
@@ -17,6 +18,8 @@ from fxfuse.runner.options import BACKENDS
 
 MODEL_DESCRIPTION = "DeepSeek-V3 verify-step latency, eager vs Inductor vs fxfuse, under CUDA graphs."
 KERNEL_DESCRIPTION = "The fused all-reduce + residual + RMSNorm op against unfused, per token count (CUDA)."
+GEMM_DESCRIPTION = ("The quantized GEMMs (FP8 block-scaled, INT4 experts) against bf16 at DeepSeek-V3 / Kimi-K2.5 "
+                    "shapes, one GPU (CUDA).")
 FALLBACK_DESCRIPTION = ("The fused op's NCCL fallback against the unfused graph Inductor compiles, one GPU, "
                         "one-rank NCCL group (CUDA).")
 
@@ -33,6 +36,9 @@ DEFAULT_KERNEL_TOKENS = tuple(2**i for i in range(12))
 DEFAULT_HIDDEN = (7168, 4096)
 #: Fallback benchmark defaults: token counts 1 .. 4096.
 DEFAULT_FALLBACK_TOKENS = tuple(2**i for i in range(13))
+#: GEMM benchmark defaults: decode, verify and small-prefill token counts; both parts.
+DEFAULT_GEMM_TOKENS = (1, 8, 64, 256)
+GEMM_PARTS = ("dense", "experts")
 #: The kernel benchmark's variants, in table order (their report titles: `fxfuse.bench.kernel_report.VARIANTS`).
 KERNEL_VARIANTS = ("fused-oneshot", "fused-twoshot", "pcie", "fallback", "nccl+inductor")
 
@@ -128,3 +134,26 @@ def add_fallback_arguments(p: argparse.ArgumentParser) -> None:
                    help="uncaptured calls timed for the host cost (default 200)")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR,
                    help=f"where result files go (default {DEFAULT_OUT_DIR})")
+
+
+def add_gemm_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `fxfuse bench gemm`."""
+    p.add_argument("--tokens", type=int_list(1, 1 << 16), default=DEFAULT_GEMM_TOKENS,
+                   help=f"comma-separated token counts (default {_joined(DEFAULT_GEMM_TOKENS)})")
+    p.add_argument("--parts", type=_choices(GEMM_PARTS), default=list(GEMM_PARTS),
+                   help=f"comma-separated parts to run, of {', '.join(GEMM_PARTS)} (default both)")
+    p.add_argument("--repeats", type=at_least(1), default=20, help="timing samples per point and variant (default 20)")
+    p.add_argument("--iters", type=at_least(1), default=10, help="calls captured in one CUDA graph (default 10)")
+    p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR,
+                   help=f"where result files go (default {DEFAULT_OUT_DIR})")
+
+
+def _choices(allowed: tuple[str, ...]):
+    """An argparse type: a comma-separated subset of `allowed`."""
+    def parse(text: str) -> list[str]:
+        values = [part for part in text.split(",") if part]
+        unknown = sorted(set(values) - set(allowed))
+        if unknown or not values:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {', '.join(allowed)}, got {text!r}")
+        return values
+    return parse

@@ -11,6 +11,12 @@ Inductor does. `residual_out` may be `reduced` itself (the add is then done in p
 One program handles one row (a token) of up to `MAX_HIDDEN` elements held in registers; the number
 of warps grows with the row width. Triton is imported on first use only (it comes with CUDA builds of
 torch); the kernel also runs under Triton's CPU interpreter (`TRITON_INTERPRET=1`) for tests.
+
+Host cost: the first CUDA launch of each (device, dtype, hidden, residual or not) goes through
+Triton's JIT, which compiles and returns the compiled kernel; later launches of that key call the
+compiled kernel's launcher directly (`fxfuse.op.triton_launch`), skipping the JIT's per-call argument
+binding and cache lookup, as Inductor does for its own kernels. That is valid because everything the
+JIT specializes on is in the key or checked per call (16-byte aligned pointers).
 """
 
 from __future__ import annotations
@@ -19,14 +25,26 @@ import functools
 
 import torch
 
+from fxfuse.op.triton_launch import DirectLaunch, launch_hooks_installed
+
 #: Widest row one program holds (elements); wider rows are not supported by this kernel.
 MAX_HIDDEN = 65536
+#: Pointer alignment the direct launch relies on (what Triton specializes pointers on).
+POINTER_ALIGNMENT = 16
+
+#: (device index, dtype, hidden, has residual) -> the compiled kernel's direct launch.
+_DIRECT: dict[tuple, DirectLaunch] = {}
 
 
 def num_warps_for(block: int) -> int:
     """Warps per program for a row block of `block` elements (a power of two): about 512 elements
     per warp, between 1 and 16 warps, so each thread loads a few 16-byte vectors."""
     return max(1, min(16, block // 512))
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
 
 
 @functools.cache
@@ -67,20 +85,30 @@ def add_rmsnorm_into(
 ) -> None:
     """Write `reduced (+ residual)` into `residual_out` and its RMSNorm times `weight` into `normed`.
 
-    All tensors are contiguous [tokens, hidden] (weight [hidden]) of one dtype on one device;
-    `residual_out` may be `reduced`. Safe inside CUDA-graph capture once compiled for this dtype and
+    All tensors are contiguous and of one shape [..., hidden] (weight [hidden]), one dtype, on one
+    device; `residual_out` may be `reduced`. Safe inside CUDA-graph capture once compiled for this dtype and
     hidden size (call it once outside capture first: Triton compiles on first use).
     """
-    tokens, hidden = reduced.shape
-    if hidden > MAX_HIDDEN:
-        raise ValueError(f"hidden size {hidden} exceeds the fused add-RMSNorm kernel's {MAX_HIDDEN}")
+    hidden = reduced.shape[-1]
+    tokens = reduced.numel() // hidden if hidden else 0
     if tokens == 0:
         return
-    import triton
+    has_residual = residual is not None
+    args = (reduced, residual if has_residual else reduced, weight, residual_out, normed, hidden, float(eps))
+    if reduced.is_cuda:
+        device = torch.cuda.current_device()
+        direct = _DIRECT.get((device, reduced.dtype, hidden, has_residual))
+        if direct is not None and _aligned(args[:5]) and not launch_hooks_installed():
+            direct(tokens, device, args)
+            return
+    if hidden > MAX_HIDDEN:
+        raise ValueError(f"hidden size {hidden} exceeds the fused add-RMSNorm kernel's {MAX_HIDDEN}")
+    block = next_power_of_2(hidden)
+    constexprs = (has_residual, block)
+    compiled = _kernel()[(tokens,)](*args, *constexprs, num_warps=num_warps_for(block))
+    if reduced.is_cuda and _aligned(args[:5]):
+        _DIRECT.setdefault((torch.cuda.current_device(), reduced.dtype, hidden, has_residual), DirectLaunch(compiled, constexprs))
 
-    block = triton.next_power_of_2(hidden)
-    _kernel()[(tokens,)](
-        reduced, residual if residual is not None else reduced, weight, residual_out, normed,
-        hidden, float(eps),
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps_for(block),
-    )
+
+def _aligned(tensors) -> bool:
+    return all(t.data_ptr() % POINTER_ALIGNMENT == 0 for t in tensors)

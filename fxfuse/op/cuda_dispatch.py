@@ -20,7 +20,7 @@ Importing this module never imports FlashInfer or touches CUDA, so it is safe on
 from __future__ import annotations
 
 import collections
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -97,33 +97,39 @@ class CallPlan:
 
     group_name: str
     decision: FusionDecision
+    #: (counter, key) this plan's calls are counted under, made on the first call (a plan serves one
+    #: hidden size and dtype).
+    _tally: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def count(self, hidden: int, dtype: torch.dtype) -> None:
         """Count one call of this plan (see fusion_stats)."""
-        if self.decision.fused:
-            _FUSED_CALLS[(self.group_name, self.decision.mode.value, hidden, str(dtype))] += 1
-        else:
-            _FALLBACK_CALLS[self.decision.reason] += 1
+        tally = self._tally
+        if tally is None:
+            if self.decision.fused:
+                tally = (_FUSED_CALLS, (self.group_name, self.decision.mode.value, hidden, str(dtype)))
+            else:
+                tally = (_FALLBACK_CALLS, self.decision.reason)
+            self._tally = tally
+        tally[0][tally[1]] += 1
 
 
 @dataclass
 class NcclPlan(CallPlan):
-    """The group's all-reduce (in x's memory when donated), then the fused add-RMSNorm kernel."""
+    """The group's all-reduce (in x's memory when donated), then the fused add-RMSNorm kernel.
+
+    Works on the tensors in their own shape (no reshapes or views: each costs microseconds of host
+    time per call, and this runs at every site of every uncaptured step)."""
 
     def __call__(self, x, residual, weight, eps, x_donated):
-        hidden = x.shape[-1]
-        reduced = x.reshape(-1, hidden)
-        if not (x_donated and reduced.is_contiguous() and reduced.data_ptr() % KERNEL_ALIGNMENT == 0):
-            reduced = reduced.clone(memory_format=torch.contiguous_format)
-        aliases_x = reduced.data_ptr() == x.data_ptr()
+        donated_in_place = x_donated and x.is_contiguous() and x.data_ptr() % KERNEL_ALIGNMENT == 0
+        reduced = x if donated_in_place else x.clone(memory_format=torch.contiguous_format)
         ALL_REDUCE_(reduced, "sum", self.group_name)
         WAIT_TENSOR(reduced)
-        residual_out = torch.empty_like(reduced) if aliases_x else reduced
+        residual_out = torch.empty_like(reduced) if donated_in_place else reduced
         normed = torch.empty_like(reduced)
-        residual2d = None if residual is None else aligned(residual.reshape(-1, hidden))
-        add_rmsnorm_into(reduced, residual2d, aligned(weight), eps, residual_out, normed)
-        self.count(hidden, x.dtype)
-        return normed.view(x.shape), residual_out.view(x.shape)
+        add_rmsnorm_into(reduced, None if residual is None else aligned(residual), aligned(weight), eps, residual_out, normed)
+        self.count(x.shape[-1], x.dtype)
+        return normed, residual_out
 
 
 @dataclass

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from fxfuse.models.expert_math import combine_rows, sort_rows_by_expert
 from fxfuse.models.quant import reference
-from fxfuse.models.quant.triton_gemm import block_m_for, dense_tiles, expert_tiles, quant_matmul
+from fxfuse.models.quant.act_quant import quantize_activations
+from fxfuse.models.quant.triton_gemm import expert_tiles, quant_matmul, tile_shape
 
 
 @torch.library.custom_op("fxfuse_quant::fp8_linear", mutates_args=())
@@ -33,7 +34,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, b
         from fxfuse.models.quant.scaled_mm import blockwise_scaled_mm_works, scaled_mm_linear
 
         if blockwise_scaled_mm_works(x.device) and block == (128, 128):
-            quantized, act_scale = reference.quantize_activations(flat, block_k)
+            quantized, act_scale = quantize_activations(flat, block_k)
             out = scaled_mm_linear(quantized, act_scale, weight, scale_inv, x.dtype)
             return out.view(*x.shape[:-1], weight.shape[0])
     return triton_fp8_linear(flat, weight, scale_inv, block, gemm).view(*x.shape[:-1], weight.shape[0])
@@ -69,16 +70,19 @@ def triton_experts(x, expert_ids, weights, stacked, fmt: str, block: tuple[int, 
     (gate, gate_scale), (up, up_scale), (down, down_scale) = stacked
     order, token_of_row, rows_per_expert = sort_rows_by_expert(expert_ids, gate.shape[0])
     rows = order.shape[0]
-    block_m = block_m_for(rows)
-    tiles = expert_tiles(rows_per_expert, rows, block_m)
     int4 = fmt == "int4"
     fp8_acts = fmt == "fp8" and gemm == "w8a8"
-    common = dict(int4=int4, scale_block=block, block_m=block_m)
+    experts_with_rows = min(gate.shape[0], rows)  # at most
+    block_m, block_n = tile_shape(-(-rows // max(1, experts_with_rows)), fp8_acts)
+    tiles = expert_tiles(rows_per_expert, rows, block_m)
+    # tiles that can hold rows: one partial tile per expert with rows, at most
+    busy_tiles = min(tiles[0].shape[0], -(-rows // block_m) + experts_with_rows)
+    common = dict(int4=int4, scale_block=block, block_m=block_m, block_n=block_n, busy_tiles=busy_tiles)
 
     def gemm_rows(a, row_ids, weight, scale):
         a_scale = None
         if fp8_acts:
-            a, a_scale = reference.quantize_activations(a, block[1])
+            a, a_scale = quantize_activations(a, block[1])
         out = torch.empty(rows, weight.shape[1], dtype=x.dtype, device=x.device)
         return quant_matmul(a.contiguous(), a_scale, weight, scale, row_ids, tiles, out, **common)
 
@@ -91,12 +95,11 @@ def triton_experts(x, expert_ids, weights, stacked, fmt: str, block: tuple[int, 
 def triton_fp8_linear(flat: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], gemm: str) -> torch.Tensor:
     """x [M, K] @ FP8 weight^T by the Triton kernel: bf16 activations ("w8a16") or FP8 per token group ("w8a8")."""
     if gemm == "w8a8":
-        a, a_scale = reference.quantize_activations(flat, block[1])
+        a, a_scale = quantize_activations(flat, block[1])
     else:
         a, a_scale = flat.contiguous(), None
     rows = flat.shape[0]
-    block_m = block_m_for(rows)
+    block_m, block_n = tile_shape(rows, a_scale is not None)
     out = torch.empty(rows, weight.shape[0], dtype=flat.dtype, device=flat.device)
-    row_ids = torch.arange(rows, device=flat.device, dtype=torch.int32)
-    return quant_matmul(a, a_scale, weight, scale_inv, row_ids, dense_tiles(rows, block_m, flat.device), out,
-                        int4=False, scale_block=block, block_m=block_m)
+    return quant_matmul(a, a_scale, weight, scale_inv, None, None, out, int4=False, scale_block=block, block_m=block_m,
+                        block_n=block_n)

@@ -13,6 +13,12 @@ weight is dequantized in the kernel:
 Accumulation is in float32. `expert_tiles` builds the tile table with fixed shapes from the rows per
 expert (no host synchronization), so the launch can be captured in a CUDA graph.
 
+Split-K: small steps (decode, verify) give few output tiles (a 1-token [1536, 7168] projection is 24
+programs on a 132-SM GPU), so the K loop is split over `split_k` programs per tile, each writing a
+float32 partial product; the partials are then summed in a fixed order (deterministic). `split_k_for`
+picks the split that gives about eight programs per SM (small tiles are latency bound: more programs
+in flight per SM hide it).
+
 The kernel is JIT-decorated on first use (`_kernel()`), so `TRITON_INTERPRET=1` set before that
 first use runs it in Triton's CPU interpreter (float32 / float16 tests; not bfloat16).
 """
@@ -24,12 +30,16 @@ import os
 
 import torch
 
-#: Row tile heights: small steps (decode, verify) use the smallest tile tl.dot allows.
-SMALL_BLOCK_M, LARGE_BLOCK_M = 16, 64
-#: Rows above which the large tile is used.
-LARGE_M_ROWS = 256
-BLOCK_N = 64
+#: Tile heights: steps of up to SMALL_M_ROWS rows (decode, verify) use the smallest tile tl.dot allows.
+SMALL_BLOCK_M, LARGE_BLOCK_M, SMALL_M_ROWS = 16, 64, 16
+#: Tile widths; wide ones for FP8 x FP8 on small steps and for every large step (fxfuse bench gemm
+#: and scripts/sweep_quant_gemm.py on an H200: within 1.1x of the best of 48 tile shapes, except
+#: 256-row FP8 x FP8 at 1.33x).
+NARROW_BLOCK_N, WIDE_BLOCK_N, WIDE_N_ROWS = 64, 128, 128
+BLOCK_N = NARROW_BLOCK_N
 INT4_BLOCK_K = 64
+#: Split-K targets: programs per SM, and the most splits of one tile's K loop.
+PROGRAMS_PER_PROCESSOR, MAX_SPLIT_K = 8, 16
 
 
 @functools.cache
@@ -45,38 +55,54 @@ def _kernel(interpret: str | None):
         stride_am, stride_ak, stride_asm, stride_ask,
         stride_we, stride_wn, stride_wk,
         stride_se, stride_sn, stride_sk,
-        stride_om, stride_on,
-        WEIGHT_INT4: tl.constexpr, ACT_FP8: tl.constexpr,
+        stride_om, stride_on, stride_split, split_k, dense_rows,
+        DENSE: tl.constexpr, WEIGHT_INT4: tl.constexpr, ACT_FP8: tl.constexpr,
         SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         tile = tl.program_id(0)
         pid_n = tl.program_id(1)
-        expert = tl.load(tile_expert_ptr + tile)
-        if expert >= 0:
+        split = tl.program_id(2)
+        if DENSE:  # every row in order, one expert: no tile table
+            expert = tl.full((), 0, tl.int32)
+            start = tile * BLOCK_M
+            end = dense_rows
+        else:
+            expert = tl.load(tile_expert_ptr + tile)
             start = tl.load(tile_start_ptr + tile)
             end = tl.load(tile_end_ptr + tile)
+        if expert >= 0:
             rows = start + tl.arange(0, BLOCK_M)
             row_mask = rows < end
-            src = tl.load(row_ids_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+            if DENSE:
+                src = rows.to(tl.int64)
+            else:
+                src = tl.load(row_ids_ptr + rows, mask=row_mask, other=0).to(tl.int64)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             n_mask = offs_n < N
             w_base = w_ptr + expert.to(tl.int64) * stride_we
             s_base = w_scale_ptr + expert.to(tl.int64) * stride_se
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), split_k) * BLOCK_K
+            k_begin = split * k_per_split
+            for k0 in range(k_begin, tl.minimum(k_begin + k_per_split, K), BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 k_mask = offs_k < K
                 a = tl.load(a_ptr + src[:, None] * stride_am + offs_k[None, :] * stride_ak,
                             mask=row_mask[:, None] & k_mask[None, :], other=0.0)
                 w_mask = n_mask[:, None] & k_mask[None, :]
                 if WEIGHT_INT4:
-                    words = tl.load(w_base + offs_n[:, None] * stride_wn + (offs_k[None, :] // 8) * stride_wk,
-                                    mask=w_mask, other=0)
-                    nibble = (words >> ((offs_k[None, :] % 8) * 4)) & 0xF
-                    scale = tl.load(s_base + offs_n[:, None] * stride_sn + (offs_k[None, :] // SCALE_BLOCK_K) * stride_sk,
-                                    mask=w_mask, other=0.0)
-                    w = ((nibble - 8).to(tl.float32) * scale.to(tl.float32)).to(a.dtype)
+                    # one [BLOCK_N, BLOCK_K / 8] tile of packed words and one [BLOCK_N, BLOCK_K / group] tile of
+                    # scales (contiguous loads), unpacked and scaled in registers
+                    offs_word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+                    words = tl.load(w_base + offs_n[:, None] * stride_wn + offs_word[None, :] * stride_wk,
+                                    mask=n_mask[:, None] & (offs_word[None, :] < tl.cdiv(K, 8)), other=0)
+                    nibbles = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+                    offs_group = k0 // SCALE_BLOCK_K + tl.arange(0, BLOCK_K // SCALE_BLOCK_K)
+                    scale = tl.load(s_base + offs_n[:, None] * stride_sn + offs_group[None, :] * stride_sk,
+                                    mask=n_mask[:, None] & (offs_group[None, :] < tl.cdiv(K, SCALE_BLOCK_K)), other=0.0)
+                    values = tl.reshape((nibbles - 8).to(tl.float32), (BLOCK_N, BLOCK_K // SCALE_BLOCK_K, SCALE_BLOCK_K))
+                    w = tl.reshape(values * scale.to(tl.float32)[:, :, None], (BLOCK_N, BLOCK_K)).to(a.dtype)
                     acc += tl.dot(a, tl.trans(w))
                 else:
                     w = tl.load(w_base + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk, mask=w_mask, other=0.0)
@@ -88,15 +114,31 @@ def _kernel(interpret: str | None):
                         acc += tl.dot(a, tl.trans(w)) * a_scale[:, None] * scale[None, :]
                     else:
                         acc += tl.dot(a, tl.trans(w.to(a.dtype))) * scale[None, :]
-            out = out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+            out = out_ptr + split * stride_split + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
     return triton.jit(quant_matmul)
 
 
-def block_m_for(rows: int) -> int:
-    """Row-tile height for a GEMM over `rows` rows."""
-    return LARGE_BLOCK_M if rows > LARGE_M_ROWS else SMALL_BLOCK_M
+def tile_shape(rows: int, act_fp8: bool) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) for a GEMM whose tiles hold about `rows` rows (per expert for grouped ones)."""
+    if rows <= SMALL_M_ROWS:
+        return SMALL_BLOCK_M, WIDE_BLOCK_N if act_fp8 else NARROW_BLOCK_N
+    return LARGE_BLOCK_M, WIDE_BLOCK_N if rows > WIDE_N_ROWS else NARROW_BLOCK_N
+
+
+def split_k_for(busy_tiles: int, n_blocks: int, k_blocks: int, processors: int) -> int:
+    """K splits giving about `PROGRAMS_PER_PROCESSOR` programs per SM for `busy_tiles` x `n_blocks`
+    output tiles, at most `MAX_SPLIT_K` and at most one K block per split."""
+    programs = max(1, busy_tiles * n_blocks)
+    wanted = -(-PROGRAMS_PER_PROCESSOR * processors // programs)
+    return max(1, min(wanted, MAX_SPLIT_K, k_blocks))
+
+
+@functools.cache
+def processor_count(device_index: int) -> int:
+    """Streaming multiprocessors of CUDA device `device_index`."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def expert_tiles(rows_per_expert: torch.Tensor, total_rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -120,50 +162,67 @@ def expert_tiles(rows_per_expert: torch.Tensor, total_rows: int, block_m: int) -
     return torch.where(valid, owner, -1).to(torch.int32), start.to(torch.int32), end.to(torch.int32)
 
 
-def dense_tiles(rows: int, block_m: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The tile table of a dense GEMM: every tile expert 0, tiles of `block_m` consecutive rows."""
-    tiles = -(-rows // block_m)
-    start = torch.arange(tiles, device=device, dtype=torch.int32) * block_m
-    return torch.zeros(tiles, device=device, dtype=torch.int32), start, torch.full_like(start, rows)
-
-
 def quant_matmul(
     a: torch.Tensor,
     a_scale: torch.Tensor | None,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
-    row_ids: torch.Tensor,
-    tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    row_ids: torch.Tensor | None,
+    tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     out: torch.Tensor,
     *,
     int4: bool,
     scale_block: tuple[int, int],
     block_m: int,
+    busy_tiles: int | None = None,
+    split_k: int | None = None,
+    block_n: int = BLOCK_N,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     """Fill out [R, N] with a[row_ids] @ W[expert of the row's tile]^T (see the module docstring).
 
     a [M, K] (bf16/fp16/fp32, or FP8 with `a_scale` [M, ceil(K / bk)]); weight [E, N, K] FP8 or
     [E, N, K / 8] int32; weight_scale [E, ceil(N / bn), ceil(K / bk)] (FP8) or [E, N, K / group] (INT4,
-    scale_block = (1, group)); row_ids int32 [R]; tiles from `expert_tiles` / `dense_tiles`.
+    scale_block = (1, group)); row_ids int32 [R] and tiles from `expert_tiles`, or both None for a dense
+    GEMM (row r of out is row r of a, expert 0).
+    `split_k`: K splits (None: `split_k_for` on CUDA, from `busy_tiles`, the tiles that have rows at
+    most, default all; 1 elsewhere).
     """
     if weight.dim() == 2:
         weight, weight_scale = weight.unsqueeze(0), weight_scale.unsqueeze(0)
     n = weight.shape[1]
     k = a.shape[1]
     act_fp8 = a_scale is not None
-    block_k = INT4_BLOCK_K if int4 else scale_block[1]
+    if int4 and (scale_block[1] & (scale_block[1] - 1) or scale_block[1] < 8):
+        raise ValueError(f"the INT4 GPU kernel needs a power-of-two group size of at least 8, got {scale_block[1]}")
+    block_k = max(INT4_BLOCK_K, scale_block[1]) if int4 else scale_block[1]
     a_scale_arg = a_scale if act_fp8 else weight_scale
     a_scale_strides = a_scale.stride() if act_fp8 else (0, 0)
-    grid = (tiles[0].shape[0], -(-n // BLOCK_N))
+    n_blocks = -(-n // block_n)
+    dense = tiles is None
+    row_tiles = -(-out.shape[0] // block_m) if dense else tiles[0].shape[0]
+    if split_k is None:
+        split_k = 1
+        if out.is_cuda:
+            busy = row_tiles if busy_tiles is None else busy_tiles
+            split_k = split_k_for(busy, n_blocks, -(-k // block_k), processor_count(out.device.index))
+    target = out if split_k == 1 else torch.empty(split_k, *out.shape, dtype=torch.float32, device=out.device)
+    grid = (row_tiles, n_blocks, split_k)
+    unused = out  # a pointer for the tile-table arguments a dense GEMM never reads
     _kernel(os.environ.get("TRITON_INTERPRET"))[grid](
-        a, a_scale_arg, weight, weight_scale, out,
-        row_ids, *tiles,
+        a, a_scale_arg, weight, weight_scale, target,
+        *((unused,) * 4 if dense else (row_ids, *tiles)),
         n, k,
         a.stride(0), a.stride(1), *a_scale_strides,
         *weight.stride(), *weight_scale.stride(),
-        out.stride(0), out.stride(1),
-        WEIGHT_INT4=int4, ACT_FP8=act_fp8,
+        target.stride(-2), target.stride(-1),
+        target.stride(0) if split_k > 1 else 0, split_k, out.shape[0],
+        DENSE=dense, WEIGHT_INT4=int4, ACT_FP8=act_fp8,
         SCALE_BLOCK_N=scale_block[0], SCALE_BLOCK_K=scale_block[1],
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages,
     )
+    if split_k > 1:  # every row of out lies in some tile, so every partial row was written
+        out.copy_(target.sum(dim=0))
     return out

@@ -37,6 +37,36 @@ def test_triton_add_rmsnorm_matches_the_reference_arithmetic(dtype, hidden):
             torch.testing.assert_close(normed, expected_normed, rtol=step, atol=step * expected_normed.abs().max().item())
 
 
+def test_direct_launch_matches_the_jit_launch_and_skips_misaligned_pointers():
+    """After the first (JIT) launch of a key, launches go straight to the compiled kernel: same bits as
+    the JIT gives; a misaligned pointer (which the compiled kernel was not specialized for) goes back
+    through the JIT and is still right."""
+    from fxfuse.op import add_rmsnorm_kernel as kernel
+    from fxfuse.op.reference import add_rmsnorm
+
+    hidden, dtype = 3072, torch.bfloat16
+    key = (torch.cuda.current_device(), dtype, hidden, True)
+    kernel._DIRECT.pop(key, None)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x, residual = (torch.randn(9, hidden, device="cuda", generator=g).to(dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=g)).to(dtype)
+    outputs = []
+    for _ in range(2):  # the JIT launch, then the direct one
+        normed, residual_out = torch.empty_like(x), torch.empty_like(x)
+        kernel.add_rmsnorm_into(x, residual, weight, EPS, residual_out, normed)
+        outputs.append((normed, residual_out))
+        assert key in kernel._DIRECT
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+    padded = torch.empty(9 * hidden + 1, device="cuda", dtype=dtype)
+    shifted = padded[1:].view(9, hidden)  # 2-byte offset: not 16-byte aligned
+    shifted.copy_(residual)
+    normed, residual_out = torch.empty_like(x), torch.empty_like(x)
+    kernel.add_rmsnorm_into(x, shifted, weight, EPS, residual_out, normed)
+    expected_normed, expected_residual = add_rmsnorm(x, residual, weight, EPS)
+    torch.testing.assert_close(residual_out, expected_residual, rtol=0, atol=0)
+    torch.testing.assert_close(normed, outputs[0][0], rtol=0, atol=0)
+
+
 def one_rank_checks(ctx) -> dict:
     """The op on a one-rank NCCL group: eager, donated, and CUDA-graph replay on fresh input."""
     import fxfuse

@@ -120,6 +120,32 @@ def test_fp8_w8a8_error_is_the_activation_rounding(layer, rows, impl, scaled_mm_
     assert errors["rel_l2_vs_emulation"] <= EMULATION_TOLERANCE and errors["rel_l2_vs_bf16"] <= W8A8_BOUND
 
 
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_activation_quantization_kernel_matches_the_reference(rows):
+    """The w8a8 GEMMs' one-kernel activation quantization against the torch reference, including a ragged last
+    group and an all-zero group: scales equal to float32 rounding (torch divides by a scalar as a product
+    with its reciprocal, the kernel divides), and e4m3 codes equal except for values on a rounding boundary,
+    which may land one e4m3 step away."""
+    from fxfuse.models.quant.act_quant import quantize_activations
+    from fxfuse.models.quant.reference import dequantize_activations
+    from fxfuse.models.quant.reference import quantize_activations as reference_quantize
+
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    x = (torch.randn(rows, 7168 + 64, device="cuda", generator=generator)
+         * torch.logspace(-3, 2, 7168 + 64, device="cuda")).bfloat16()
+    x[0, 128:256] = 0
+    quantized, scale = quantize_activations(x, 128)
+    expected_quantized, expected_scale = reference_quantize(x, 128)
+    torch.testing.assert_close(scale, expected_scale, rtol=2.5e-7, atol=0)
+    differing = quantized.view(torch.uint8) != expected_quantized.view(torch.uint8)
+    record(test="activation_quantization", rows=rows, differing_codes=int(differing.sum()), codes=differing.numel())
+    assert differing.float().mean() <= 1e-3
+    got, want = dequantize_activations(quantized, scale, 128), dequantize_activations(expected_quantized, expected_scale, 128)
+    # one e4m3 step at most: 2**-3 of the value, or the subnormal step 2**-9 times the group's scale below 2**-6
+    subnormal_step = expected_scale.repeat_interleave(128, dim=1)[:, : x.shape[1]] * 2**-9
+    assert ((got - want).abs() <= 0.125 * want.abs() + subnormal_step).all()
+
+
 def expert_weights(fmt: str, generator):
     """(gate, up, down) x (quantized, scale) for EXPERTS full-width experts, and their bf16 dequantized values."""
     from fxfuse.models.fp8 import quantize_blocks
