@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import re
 import statistics
 import sys
 import time
@@ -33,7 +32,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from fxfuse.bench.arguments import FALLBACK_DESCRIPTION, add_fallback_arguments
-from fxfuse.bench.output import header_lines, package_versions, publish, relative_l2_error, write_result_files
+from fxfuse.bench.output import gpu_slug, header_lines, package_versions, publish, relative_l2_error, write_result_files
+from fxfuse.bench.replay import replay_timings
 from fxfuse.command_line import CommandParser, check_output_dir, parsed_or_status
 from fxfuse.runner.launch import run_on_ranks
 
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def file_stem(report: dict) -> str:
     """fallback_<gpu>_<stamp>."""
-    return f"fallback_{re.sub(r'[^a-z0-9]+', '-', report['gpu'].lower()).strip('-')}_{report['stamp']}"
+    return f"fallback_{gpu_slug(report['gpu'])}_{report['stamp']}"
 
 
 @torch.no_grad()
@@ -146,36 +146,11 @@ def _fp32_reference(inp, residual, weight):
 
 def _time_point(variants: dict, inputs, group_name: str, options: dict) -> dict:
     """Medians (and quartiles) of CUDA-graph replays of `iters` calls, variants interleaved per round."""
-    graphs = {}
-    for name, fn in variants.items():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                fn(*inputs, group_name)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(options["iters"]):
-                fn(*inputs, group_name)
-        graphs[name] = graph
-    samples = {name: [] for name in graphs}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for graph in graphs.values():
-        graph.replay()
-    torch.cuda.synchronize()
-    for _ in range(options["repeats"]):
-        for name, graph in graphs.items():
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            samples[name].append(start.elapsed_time(end) * 1000 / options["iters"])
-    del graphs
+    timings = replay_timings({name: (lambda fn=fn: fn(*inputs, group_name)) for name, fn in variants.items()},
+                             options["repeats"], options["iters"])
     out = {}
-    for name, values in samples.items():
-        q1, median, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
-        out.update({f"{name}_us": statistics.median(values), f"{name}_p25": q1, f"{name}_p75": q3})
+    for name, (median, q1, q3) in timings.items():
+        out.update({f"{name}_us": median, f"{name}_p25": q1, f"{name}_p75": q3})
     out["ratio"] = out["fallback_us"] / out["inductor_us"]
     return out
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import platform
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -67,3 +68,8 @@ def package_versions(packages: tuple[str, ...]) -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             versions[name] = "not installed"
     return versions
+
+
+def gpu_slug(gpu: str) -> str:
+    """A GPU name as it appears in result file names: lower case, runs of other characters as one '-'."""
+    return re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")

@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import re
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
 from fxfuse.bench.arguments import GEMM_DESCRIPTION, add_gemm_arguments
-from fxfuse.bench.output import header_lines, package_versions, publish, relative_l2_error, write_result_files
+from fxfuse.bench.output import gpu_slug, header_lines, package_versions, publish, relative_l2_error, write_result_files
+from fxfuse.bench.replay import replay_timings
 from fxfuse.command_line import CommandParser, check_output_dir, parsed_or_status
 
 #: DeepSeek-V3's dense FP8 projections at tp=1: name -> (N, K).
@@ -66,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def file_stem(report: dict) -> str:
     """gemm_<gpu>_<stamp>."""
-    return f"gemm_{re.sub(r'[^a-z0-9]+', '-', report['gpu'].lower()).strip('-')}_{report['stamp']}"
+    return f"gemm_{gpu_slug(report['gpu'])}_{report['stamp']}"
 
 
 @torch.no_grad()
@@ -153,43 +152,12 @@ def _expert_variants(experts: int, fmt: str, device, generator) -> dict:
 def _points(kind: str, name: str, n: int, k: int, tokens: int, calls: dict, expected: torch.Tensor, repeats: int, iters: int) -> list[dict]:
     """One row per variant: timing, ratio to bf16, error against the dequantized weights."""
     errors = {variant: relative_l2_error(call(), expected) for variant, call in calls.items()}
-    timings = _replay_times(calls, repeats, iters)
+    timings = replay_timings(calls, repeats, iters)
     rows = []
     for variant, (median, q1, q3) in timings.items():
         rows.append({"kind": kind, "name": name, "n": n, "k": k, "tokens": tokens, "variant": variant, "us": median,
                      "p25": q1, "p75": q3, "ratio_vs_bf16": median / timings["bf16"][0], "rel_err": errors[variant]})
     return rows
-
-
-def _replay_times(calls: dict, repeats: int, iters: int) -> dict:
-    """(median, p25, p75) microseconds per call of each callable, from CUDA-graph replays, interleaved."""
-    graphs = {}
-    for variant, call in calls.items():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                call()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(iters):
-                call()
-        graphs[variant] = graph
-    samples = {variant: [] for variant in graphs}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(repeats):
-        for variant, graph in graphs.items():
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            samples[variant].append(start.elapsed_time(end) * 1000 / iters)
-    out = {}
-    for variant, values in samples.items():
-        q1, _, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
-        out[variant] = (statistics.median(values), q1, q3)
-    return out
 
 
 def markdown(report: dict) -> str:
