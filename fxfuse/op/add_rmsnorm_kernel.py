@@ -12,7 +12,7 @@ One program handles one row (a token) of up to `MAX_HIDDEN` elements held in reg
 of warps grows with the row width. Triton is imported on first use only (it comes with CUDA builds of
 torch); the kernel also runs under Triton's CPU interpreter (`TRITON_INTERPRET=1`) for tests.
 
-Host cost: the first CUDA launch of each (device, dtype, hidden, residual or not) goes through
+Host cost: the first CUDA launch of each (device, hidden, residual or not, dtypes) goes through
 Triton's JIT, which compiles and returns the compiled kernel; later launches of that key call the
 compiled kernel's launcher directly (`fxfuse.op.triton_launch`), skipping the JIT's per-call argument
 binding and cache lookup, as Inductor does for its own kernels. That is valid because everything the
@@ -32,7 +32,7 @@ MAX_HIDDEN = 65536
 #: Pointer alignment the direct launch relies on (what Triton specializes pointers on).
 POINTER_ALIGNMENT = 16
 
-#: (device index, dtype, hidden, has residual) -> the compiled kernel's direct launch.
+#: (device index, hidden, has residual, the five tensors' dtypes) -> the compiled kernel's direct launch.
 _DIRECT: dict[tuple, DirectLaunch] = {}
 
 
@@ -97,7 +97,8 @@ def add_rmsnorm_into(
     args = (reduced, residual if has_residual else reduced, weight, residual_out, normed, hidden, float(eps))
     if reduced.is_cuda:
         device = torch.cuda.current_device()
-        direct = _DIRECT.get((device, reduced.dtype, hidden, has_residual))
+        key = (device, hidden, has_residual, reduced.dtype, args[1].dtype, weight.dtype, residual_out.dtype, normed.dtype)
+        direct = _DIRECT.get(key)
         if direct is not None and _aligned(args[:5]) and not launch_hooks_installed():
             direct(tokens, device, args)
             return
@@ -107,7 +108,7 @@ def add_rmsnorm_into(
     constexprs = (has_residual, block)
     compiled = _kernel()[(tokens,)](*args, *constexprs, num_warps=num_warps_for(block))
     if reduced.is_cuda and _aligned(args[:5]):
-        _DIRECT.setdefault((torch.cuda.current_device(), reduced.dtype, hidden, has_residual), DirectLaunch(compiled, constexprs))
+        _DIRECT.setdefault(key, DirectLaunch(compiled, constexprs))
 
 
 def _aligned(tensors) -> bool:
