@@ -129,7 +129,7 @@ def tile_shape(rows: int, act_fp8: bool) -> tuple[int, int]:
 
 def split_k_for(busy_tiles: int, n_blocks: int, k_blocks: int, processors: int) -> int:
     """K splits giving about `PROGRAMS_PER_PROCESSOR` programs per SM for `busy_tiles` x `n_blocks`
-    output tiles, at most `MAX_SPLIT_K` and at most one K block per split."""
+    output tiles, at most `MAX_SPLIT_K` and never more splits than K blocks."""
     programs = max(1, busy_tiles * n_blocks)
     wanted = -(-PROGRAMS_PER_PROCESSOR * processors // programs)
     return max(1, min(wanted, MAX_SPLIT_K, k_blocks))
