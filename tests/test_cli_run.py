@@ -94,6 +94,7 @@ def test_multi_token_verify_steps_generate_the_greedy_sequence():
         (["bench", "model", "--nope"], "unrecognized arguments: --nope (see `fxfuse bench model --help`)"),
         (["bench", "gemm", "--parts", "dense,mlp"], "argument --parts: expected a comma-separated subset of dense, experts"),
         (["bench", "gemm", "--tokens", "0"], "argument --tokens:"),
+        (["bench", "fallback", "--repeats", "0"], "argument --repeats: must be at least 1 (got 0)"),
         (["report", "--tp", "0"], "argument --tp: must be at least 1 (got 0)"),
         (["report", "--layers", "9"], "--layers must be between 1 and 4 (got 9)"),
     ],

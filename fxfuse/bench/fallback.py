@@ -22,7 +22,6 @@ fallback_vs_inductor: [{tokens, hidden, fallback_us, inductor_us, ratio, ...}], 
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import statistics
 import sys
@@ -32,9 +31,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from fxfuse.bench.arguments import FALLBACK_DESCRIPTION, add_fallback_arguments
-from fxfuse.bench.output import gpu_slug, header_lines, package_versions, publish, relative_l2_error, write_result_files
+from fxfuse.bench.output import gpu_slug, header_lines, one_gpu_arguments, package_versions, publish, relative_l2_error, write_result_files
 from fxfuse.bench.replay import replay_timings
-from fxfuse.command_line import CommandParser, check_output_dir, parsed_or_status
 from fxfuse.runner.launch import run_on_ranks
 
 EPS = 1e-6
@@ -50,23 +48,11 @@ def block(inp: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, group
     return weight * normed, hidden
 
 
-def checked_args(argv: list[str] | None) -> argparse.Namespace:
-    """Parse `fxfuse bench fallback` arguments (a usage error exits with status 2) and check --out-dir."""
-    p = CommandParser(prog="fxfuse bench fallback", description=FALLBACK_DESCRIPTION)
-    add_fallback_arguments(p)
-    args = p.parse_args(argv)
-    check_output_dir(args.out_dir, "--out-dir")
-    return args
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark on one GPU, write its files, return the exit status."""
-    args, status = parsed_or_status(lambda: checked_args(argv))
+    args, status = one_gpu_arguments(argv, "fxfuse bench fallback", FALLBACK_DESCRIPTION, add_fallback_arguments)
     if status is not None:
         return status
-    if not torch.cuda.is_available():
-        print("fxfuse: error: fxfuse bench fallback needs a CUDA GPU", file=sys.stderr)
-        return 2
     options = {"tokens": args.tokens, "hidden": args.hidden, "repeats": args.repeats, "iters": args.iters,
                "host_calls": args.host_calls}
     report = run_on_ranks(bench_rank, 1, options, device="cuda", timeout_s=1800)[0]

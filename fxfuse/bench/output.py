@@ -7,6 +7,7 @@ prints the markdown table.
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import platform
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from fxfuse.command_line import CommandParser, check_output_dir, parsed_or_status
 
 
 def write_result_files(
@@ -73,3 +76,21 @@ def package_versions(packages: tuple[str, ...]) -> dict[str, str]:
 def gpu_slug(gpu: str) -> str:
     """A GPU name as it appears in result file names: lower case, runs of other characters as one '-'."""
     return re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+
+
+def one_gpu_arguments(argv: list[str] | None, prog: str, description: str,
+                      declare: Callable[[argparse.ArgumentParser], None]) -> tuple[argparse.Namespace | None, int | None]:
+    """A one-GPU benchmark's arguments (declared by `declare`), --out-dir checked and a GPU required:
+    `(args, None)` to go on, or `(None, exit status)` after --help, a usage error or a one-line error."""
+    def parse() -> argparse.Namespace:
+        parser = CommandParser(prog=prog, description=description)
+        declare(parser)
+        args = parser.parse_args(argv)
+        check_output_dir(args.out_dir, "--out-dir")
+        return args
+
+    args, status = parsed_or_status(parse)
+    if status is None and not torch.cuda.is_available():
+        print(f"fxfuse: error: {prog} needs a CUDA GPU", file=sys.stderr)
+        return None, 2
+    return args, status

@@ -18,17 +18,14 @@ Writes bench/results/gemm_<gpu>_<stamp>.json (fields gpu, versions, date, comman
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import sys
 
 import torch
 import torch.nn.functional as F
 
 from fxfuse.bench.arguments import GEMM_DESCRIPTION, add_gemm_arguments
-from fxfuse.bench.output import gpu_slug, header_lines, package_versions, publish, relative_l2_error, write_result_files
+from fxfuse.bench.output import gpu_slug, header_lines, one_gpu_arguments, package_versions, publish, relative_l2_error, write_result_files
 from fxfuse.bench.replay import replay_timings
-from fxfuse.command_line import CommandParser, check_output_dir, parsed_or_status
 
 #: DeepSeek-V3's dense FP8 projections at tp=1: name -> (N, K).
 DENSE_SHAPES = {
@@ -40,23 +37,11 @@ EXPERT_SHAPES = {"deepseek-v3 experts": (256, "fp8"), "kimi-k2.5 experts": (384,
 HIDDEN, INTERMEDIATE, TOP_K, FP8_BLOCK, INT4_GROUP = 7168, 2048, 8, 128, 32
 
 
-def checked_args(argv: list[str] | None) -> argparse.Namespace:
-    """Parse `fxfuse bench gemm` arguments (a usage error exits with status 2) and check --out-dir."""
-    p = CommandParser(prog="fxfuse bench gemm", description=GEMM_DESCRIPTION)
-    add_gemm_arguments(p)
-    args = p.parse_args(argv)
-    check_output_dir(args.out_dir, "--out-dir")
-    return args
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark on the current GPU, write its files, return the exit status."""
-    args, status = parsed_or_status(lambda: checked_args(argv))
+    args, status = one_gpu_arguments(argv, "fxfuse bench gemm", GEMM_DESCRIPTION, add_gemm_arguments)
     if status is not None:
         return status
-    if not torch.cuda.is_available():
-        print("fxfuse: error: fxfuse bench gemm needs a CUDA GPU", file=sys.stderr)
-        return 2
     report = run(args.tokens, args.repeats, args.iters, args.parts)
     publish(report, "gemm", argv, lambda r: write_result_files(args.out_dir / file_stem(r), r, markdown(r), lambda path: False),
             markdown)
