@@ -8,55 +8,80 @@ tile table in models/quant/triton_gemm.py (`tile_shape`) was chosen from its out
 
 Usage: python3 scripts/sweep_quant_gemm.py OUT_DIR [BUDGET_SECONDS, default 200]
 """
-import itertools, json, os, sys, time
-import torch
-from triton.testing import do_bench_cudagraph
-from fxfuse.models.fp8 import FP8_DTYPE
-from fxfuse.models.quant.triton_gemm import quant_matmul, split_k_for, processor_count
-from fxfuse.models.quant.reference import quantize_activations
-import torch.nn.functional as F
+import itertools
+import json
+import os
+import sys
+import time
 
-budget = float(sys.argv[2]) if len(sys.argv) > 2 else 200
-began = time.time()
-dev = torch.device("cuda")
-g = torch.Generator(device=dev).manual_seed(0)
-shapes = {"o_proj": (7168, 16384), "q_a_proj": (1536, 7168), "expert_gate": (2048, 7168), "kv_b_proj": (32768, 512)}
-rows_list = [1, 8, 64, 256]
-out = []
-for name, (n, k) in shapes.items():
-    w = (torch.randn(n, k, device=dev, generator=g) * 0.5).to(FP8_DTYPE)
-    s = torch.rand(-(-n // 128), -(-k // 128), device=dev, generator=g) * 0.02 + 0.01
-    wb = torch.randn(n, k, device=dev, generator=g).to(torch.bfloat16)
-    for rows in rows_list:
-        x = torch.randn(rows, k, device=dev, generator=g).to(torch.bfloat16)
-        q, qs = quantize_activations(x, 128)
-        ids = torch.arange(rows, device=dev, dtype=torch.int32)
-        bf16_us = do_bench_cudagraph(lambda: F.linear(x, wb), rep=20) * 1000
-        out.append(dict(name=name, n=n, k=k, rows=rows, variant="bf16", us=bf16_us))
-        for gemm in ("w8a16", "w8a8"):
-            a, a_s = (x, None) if gemm == "w8a16" else (q, qs)
-            best = None
-            for bm, bn, warps, stages, split in itertools.product((16, 64, 128), (64, 128), (4, 8), (3, 4), ("auto", 1)):
-                if bm > max(16, 1 << (rows - 1).bit_length()) or time.time() - began > budget:
-                    continue
-                if (bm == 16 and warps == 8) or (split == 1 and rows > 8):
-                    continue
-                res = torch.empty(rows, n, device=dev, dtype=torch.bfloat16)
-                sk = split_k_for(-(-rows // bm), -(-n // bn), -(-k // 128), processor_count(0)) if split == "auto" else 1
-                fn = lambda: quant_matmul(a, a_s, w, s, None, None, res, int4=False, scale_block=(128, 128), block_m=bm,
-                                          split_k=sk, block_n=bn, num_warps=warps, num_stages=stages)
-                try:
-                    fn(); torch.cuda.synchronize()
-                    us = do_bench_cudagraph(fn, rep=20) * 1000
-                except Exception as e:  # out of shared memory etc.
-                    us = None
-                row = dict(name=name, n=n, k=k, rows=rows, variant=gemm, bm=bm, bn=bn, warps=warps, stages=stages, split=sk, us=us)
-                out.append(row)
-                if us is not None and (best is None or us < best["us"]):
-                    best = row
-            if best:
-                print(f"{name} {n}x{k} rows {rows} {gemm}: best {best['us']:.1f} us (bf16 {bf16_us:.1f}) "
-                      f"bm {best['bm']} bn {best['bn']} w {best['warps']} st {best['stages']} split {best['split']}", flush=True)
-    del w, s, wb
-json.dump(out, open(os.path.join(sys.argv[1], "sweep.json"), "w"), indent=0)
-print("elapsed", time.time() - began)
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench_cudagraph
+
+from fxfuse.models.fp8 import FP8_DTYPE
+from fxfuse.models.quant.reference import quantize_activations
+from fxfuse.models.quant.triton_gemm import processor_count, quant_matmul, split_k_for
+
+#: DeepSeek-V3 layer shapes (N, K) swept, and the row counts.
+SHAPES = {"o_proj": (7168, 16384), "q_a_proj": (1536, 7168), "expert_gate": (2048, 7168), "kv_b_proj": (32768, 512)}
+ROWS = (1, 8, 64, 256)
+#: Candidate (BLOCK_M, BLOCK_N, warps, stages, split-K); 8 warps only with BLOCK_M >= 64, split 1 only up to 8 rows.
+CANDIDATES = [c for c in itertools.product((16, 64, 128), (64, 128), (4, 8), (3, 4), ("auto", 1))
+              if not (c[0] == 16 and c[2] == 8)]
+
+
+def sweep(budget_s: float) -> list[dict]:
+    """Every timing, one dict per (shape, rows, variant, tile shape); candidates past the budget are skipped."""
+    began, device = time.time(), torch.device("cuda")
+    generator = torch.Generator(device=device).manual_seed(0)
+    out = []
+    for name, (n, k) in SHAPES.items():
+        weight = (torch.randn(n, k, device=device, generator=generator) * 0.5).to(FP8_DTYPE)
+        scale = torch.rand(-(-n // 128), -(-k // 128), device=device, generator=generator) * 0.02 + 0.01
+        bf16_weight = torch.randn(n, k, device=device, generator=generator).to(torch.bfloat16)
+        for rows in ROWS:
+            x = torch.randn(rows, k, device=device, generator=generator).to(torch.bfloat16)
+            bf16_us = do_bench_cudagraph(lambda: F.linear(x, bf16_weight), rep=20) * 1000
+            out.append(dict(name=name, n=n, k=k, rows=rows, variant="bf16", us=bf16_us))
+            for gemm, (a, a_scale) in (("w8a16", (x, None)), ("w8a8", quantize_activations(x, 128))):
+                timed = [time_candidate(a, a_scale, weight, scale, rows, n, k, candidate)
+                         for candidate in CANDIDATES
+                         if candidate[0] <= max(16, 1 << (rows - 1).bit_length()) and not (candidate[4] == 1 and rows > 8)
+                         and time.time() - began < budget_s]
+                rows_out = [dict(name=name, n=n, k=k, rows=rows, variant=gemm, **t) for t in timed]
+                out += rows_out
+                done = [r for r in rows_out if r["us"] is not None]
+                if done:
+                    best = min(done, key=lambda r: r["us"])
+                    print(f"{name} {n}x{k} rows {rows} {gemm}: best {best['us']:.1f} us (bf16 {bf16_us:.1f}) bm {best['bm']} "
+                          f"bn {best['bn']} w {best['warps']} st {best['stages']} split {best['split']}", flush=True)
+    return out
+
+
+def time_candidate(a, a_scale, weight, scale, rows: int, n: int, k: int, candidate: tuple) -> dict:
+    """Microseconds of one tile shape (None where it does not compile or launch, e.g. out of shared memory)."""
+    block_m, block_n, warps, stages, split = candidate
+    out = torch.empty(rows, n, device=a.device, dtype=torch.bfloat16)
+    split_k = split_k_for(-(-rows // block_m), -(-n // block_n), -(-k // 128), processor_count(0)) if split == "auto" else 1
+
+    def call():
+        quant_matmul(a, a_scale, weight, scale, None, None, out, int4=False, scale_block=(128, 128), block_m=block_m,
+                     split_k=split_k, block_n=block_n, num_warps=warps, num_stages=stages)
+
+    try:
+        call()
+        torch.cuda.synchronize()
+        us = do_bench_cudagraph(call, rep=20) * 1000
+    except Exception:  # noqa: BLE001 - a tile shape Triton cannot build here is a result, not a failure
+        us = None
+    return dict(bm=block_m, bn=block_n, warps=warps, stages=stages, split=split_k, us=us)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: python3 scripts/sweep_quant_gemm.py OUT_DIR [BUDGET_SECONDS]")
+    started = time.time()
+    results = sweep(float(sys.argv[2]) if len(sys.argv) > 2 else 200)
+    with open(os.path.join(sys.argv[1], "sweep.json"), "w") as f:
+        json.dump(results, f, indent=0)
+    print("elapsed", time.time() - started)
