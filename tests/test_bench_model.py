@@ -1,6 +1,6 @@
 """CPU tests of `fxfuse bench model` (and `fxfuse bench kernel`'s CPU error): input errors, defaults that fit
 the machine, the smoke run on 2 gloo ranks, failure handling and the report writer (ratios, all-reduce
-share, files). The CUDA-graph timing itself runs on a GPU (scripts/gpu_check_model.sh)."""
+share, files). The CUDA-graph timing itself runs on a GPU (`PARTS=model scripts/gpu_check.sh`)."""
 
 from __future__ import annotations
 
