@@ -22,7 +22,6 @@ fallback_vs_inductor: [{tokens, hidden, fallback_us, inductor_us, ratio, ...}], 
 
 from __future__ import annotations
 
-import datetime
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from fxfuse.bench.arguments import FALLBACK_DESCRIPTION, add_fallback_arguments
-from fxfuse.bench.output import gpu_slug, header_lines, one_gpu_arguments, package_versions, publish, relative_l2_error, write_result_files
+from fxfuse.bench.output import gpu_slug, header_lines, one_gpu_arguments, report_header, package_versions, publish, relative_l2_error, write_result_files
 from fxfuse.bench.replay import replay_timings
 from fxfuse.runner.launch import run_on_ranks
 
@@ -98,13 +97,8 @@ def bench_rank(ctx, options: dict) -> dict:
             rows.append({"tokens": tokens, "hidden": hidden, **_time_point(variants, inputs, group_name, options)})
             if tokens == 1:
                 host_rows.append({"tokens": 1, "hidden": hidden, **_host_cost(variants, inputs, group_name, options["host_calls"])})
-    now = datetime.datetime.now(datetime.timezone.utc)
     return {
-        "benchmark": "fxfuse bench fallback",
-        "date": now.isoformat(timespec="seconds"),
-        "stamp": now.strftime("%Y%m%d-%H%M%S"),
-        "command": "",
-        "gpu": torch.cuda.get_device_name(),
+        **report_header("fxfuse bench fallback", torch.cuda.get_device_name()),
         "world_size": ctx.world_size,
         "versions": package_versions(("triton", "flashinfer-python")) | {"nccl": ".".join(map(str, torch.cuda.nccl.version()))},
         "dtype": "bfloat16",

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import importlib.metadata
 import os
 import statistics
@@ -37,7 +36,7 @@ import torch.distributed as dist
 
 from fxfuse.bench.arguments import KERNEL_DESCRIPTION, add_kernel_arguments, check_kernel_arguments
 from fxfuse.bench.kernel_report import FUSED_MODES, VARIANTS, derive_thresholds, markdown, write_report
-from fxfuse.bench.output import package_versions, publish, relative_l2_error
+from fxfuse.bench.output import package_versions, publish, relative_l2_error, report_header
 from fxfuse.command_line import CommandParser, check_output_dir, check_output_file, parsed_or_status
 from fxfuse.op.modes import FusionMode
 from fxfuse.runner.launch import run_on_ranks, under_torchrun
@@ -323,14 +322,9 @@ def _versions() -> dict[str, str]:
 
 
 def _report(config: BenchConfig, world_size: int, share_gpus: bool, rows: list[dict], stats: dict, topology: str) -> dict:
-    now = datetime.datetime.now(datetime.timezone.utc)
     checked = [max(r["rel_err_normed"], r["rel_err_residual"]) for r in rows if r["status"] != "n/a"]
     return {
-        "benchmark": "fxfuse bench kernel",
-        "date": now.isoformat(timespec="seconds"),
-        "stamp": now.strftime("%Y%m%d-%H%M%S"),
-        "command": "",
-        "gpu": torch.cuda.get_device_name(),
+        **report_header("fxfuse bench kernel", torch.cuda.get_device_name()),
         "world_size": world_size,
         "topology": topology,
         "ranks_share_gpu": share_gpus,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import platform
 import statistics
 import sys
@@ -34,7 +33,7 @@ import torch.distributed as dist
 
 from fxfuse.bench.arguments import DEFAULT_CONTEXT, DEFAULT_LAYERS, DEFAULT_PRESET, MODEL_DESCRIPTION, add_model_arguments
 from fxfuse.bench.model_report import markdown, write_report
-from fxfuse.bench.output import package_versions, publish, relative_l2_error
+from fxfuse.bench.output import package_versions, publish, relative_l2_error, report_header
 from fxfuse.command_line import CommandParser, check_output_dir, parsed_or_status
 from fxfuse.runner.launch import run_on_ranks, under_torchrun
 from fxfuse.runner.options import BACKENDS, check_host_memory
@@ -381,14 +380,10 @@ def _p90(values: list[float]) -> float:
 
 
 def _report(config, world_size, device, rows, collective_rows, fusion: dict, fused_kernel_ready) -> dict:
-    now = datetime.datetime.now(datetime.timezone.utc)
     cuda = device.type == "cuda"
+    gpu = torch.cuda.get_device_name(device) if cuda else f"cpu ({platform.processor() or platform.machine()})"
     return {
-        "benchmark": "fxfuse bench model",
-        "date": now.isoformat(timespec="seconds"),
-        "stamp": now.strftime("%Y%m%d-%H%M%S"),
-        "command": "",
-        "gpu": torch.cuda.get_device_name(device) if cuda else f"cpu ({platform.processor() or platform.machine()})",
+        **report_header("fxfuse bench model", gpu),
         "world_size": world_size,
         "single_rank_collectives": config.single_rank_collectives,
         "device": device.type,

@@ -8,6 +8,7 @@ prints the markdown table.
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.metadata
 import json
 import platform
@@ -43,6 +44,14 @@ def publish(report: dict[str, Any], benchmark: str, argv: list[str] | None, writ
     for path in write(report):
         print(f"wrote {path}")
     print(markdown(report))
+
+
+def report_header(benchmark: str, gpu: str) -> dict[str, Any]:
+    """The fields every benchmark report starts with: its name, the UTC date and file stamp of now,
+    the GPU, and an empty `command` that `publish` fills in."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return {"benchmark": benchmark, "date": now.isoformat(timespec="seconds"), "stamp": now.strftime("%Y%m%d-%H%M%S"),
+            "command": "", "gpu": gpu}
 
 
 def header_lines(title: str, report: dict[str, Any]) -> list[str]:

@@ -18,13 +18,12 @@ Writes bench/results/gemm_<gpu>_<stamp>.json (fields gpu, versions, date, comman
 
 from __future__ import annotations
 
-import datetime
 
 import torch
 import torch.nn.functional as F
 
 from fxfuse.bench.arguments import GEMM_DESCRIPTION, add_gemm_arguments
-from fxfuse.bench.output import gpu_slug, header_lines, one_gpu_arguments, package_versions, publish, relative_l2_error, write_result_files
+from fxfuse.bench.output import gpu_slug, header_lines, one_gpu_arguments, report_header, package_versions, publish, relative_l2_error, write_result_files
 from fxfuse.bench.replay import replay_timings
 
 #: DeepSeek-V3's dense FP8 projections at tp=1: name -> (N, K).
@@ -80,10 +79,8 @@ def run(tokens: list[int], repeats: int, iters: int, parts: list[str]) -> dict:
                 results += _points("experts", name, INTERMEDIATE, HIDDEN, count, calls, expected, repeats, iters)
             del variants
             torch.cuda.empty_cache()
-    now = datetime.datetime.now(datetime.timezone.utc)
     return {
-        "benchmark": "fxfuse bench gemm", "date": now.isoformat(timespec="seconds"), "stamp": now.strftime("%Y%m%d-%H%M%S"),
-        "command": "", "gpu": torch.cuda.get_device_name(), "versions": package_versions(("triton",)),
+        **report_header("fxfuse bench gemm", torch.cuda.get_device_name()), "versions": package_versions(("triton",)),
         "iters": iters, "repeats": repeats, "results": results,
     }
 
