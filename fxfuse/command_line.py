@@ -63,6 +63,18 @@ def int_list(low: int, high: int) -> Callable[[str], tuple[int, ...]]:
     return parse
 
 
+def comma_subset(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
+    """An argparse type: a non-empty comma-separated subset of `allowed`, e.g. `dense` -> ["dense"]."""
+
+    def parse(text: str) -> list[str]:
+        values = [part for part in text.split(",") if part]
+        if not values or set(values) - set(allowed):
+            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {', '.join(allowed)}, got {text!r}")
+        return values
+
+    return parse
+
+
 def check_output_file(path: str | os.PathLike, flag: str) -> None:
     """Raise ValueError unless a file can be written at `path` (its folder exists and is writable)."""
     target = Path(path)

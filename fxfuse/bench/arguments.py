@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fxfuse.command_line import at_least, int_list
+from fxfuse.command_line import at_least, comma_subset, int_list
 from fxfuse.runner.options import BACKENDS
 
 MODEL_DESCRIPTION = "DeepSeek-V3 verify-step latency, eager vs Inductor vs fxfuse, under CUDA graphs."
@@ -140,20 +140,10 @@ def add_gemm_arguments(p: argparse.ArgumentParser) -> None:
     """The options of `fxfuse bench gemm`."""
     p.add_argument("--tokens", type=int_list(1, 1 << 16), default=DEFAULT_GEMM_TOKENS,
                    help=f"comma-separated token counts (default {_joined(DEFAULT_GEMM_TOKENS)})")
-    p.add_argument("--parts", type=_choices(GEMM_PARTS), default=list(GEMM_PARTS),
+    p.add_argument("--parts", type=comma_subset(GEMM_PARTS), default=list(GEMM_PARTS),
                    help=f"comma-separated parts to run, of {', '.join(GEMM_PARTS)} (default both)")
     p.add_argument("--repeats", type=at_least(1), default=20, help="timing samples per point and variant (default 20)")
     p.add_argument("--iters", type=at_least(1), default=10, help="calls captured in one CUDA graph (default 10)")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR,
                    help=f"where result files go (default {DEFAULT_OUT_DIR})")
 
-
-def _choices(allowed: tuple[str, ...]):
-    """An argparse type: a comma-separated subset of `allowed`."""
-    def parse(text: str) -> list[str]:
-        values = [part for part in text.split(",") if part]
-        unknown = sorted(set(values) - set(allowed))
-        if unknown or not values:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {', '.join(allowed)}, got {text!r}")
-        return values
-    return parse
