@@ -36,7 +36,6 @@ SMALL_BLOCK_M, LARGE_BLOCK_M, SMALL_M_ROWS = 16, 64, 16
 #: and scripts/sweep_quant_gemm.py on an H200: within 1.1x of the best of 48 tile shapes, except
 #: 256-row FP8 x FP8 at 1.33x).
 NARROW_BLOCK_N, WIDE_BLOCK_N, WIDE_N_ROWS = 64, 128, 128
-BLOCK_N = NARROW_BLOCK_N
 INT4_BLOCK_K = 64
 #: Split-K targets: programs per SM, and the most splits of one tile's K loop.
 PROGRAMS_PER_PROCESSOR, MAX_SPLIT_K = 8, 16
@@ -176,7 +175,7 @@ def quant_matmul(
     block_m: int,
     busy_tiles: int | None = None,
     split_k: int | None = None,
-    block_n: int = BLOCK_N,
+    block_n: int = NARROW_BLOCK_N,
     num_warps: int = 4,
     num_stages: int = 3,
 ) -> torch.Tensor:
