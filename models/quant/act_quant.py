@@ -5,9 +5,9 @@ and the reference's seven small torch kernels cost more than a decode-size GEMM)
 One program per (row, group): the group's max |x| (at least MIN_ACTIVATION_AMAX), scale = max / 448,
 q = clamp(x / scale) rounded to e4m3, in float32 with IEEE round-to-nearest divisions. The reference
 gives the same values up to float32 rounding of the scale (on the GPU torch divides by a scalar as a
-product with its reciprocal), so a value on an e4m3 rounding boundary may get the neighbouring code. `quantize_activations(x, group)` runs it for CUDA
-tensors and the reference elsewhere; `quantize_activations_triton` runs the kernel on any device
-(Triton's CPU interpreter in tests).
+product with its reciprocal), so a value on an e4m3 rounding boundary may get the neighbouring code.
+`quantize_activations(x, group)` runs it for CUDA tensors and the reference elsewhere;
+`quantize_activations_triton` runs the kernel on any device (Triton's CPU interpreter in tests).
 """
 
 from __future__ import annotations
