@@ -29,7 +29,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from fxfuse.inspect.graph_diff import GraphSnapshot, render_diff, snapshot
-from fxfuse.op.schema import FUSED_OPS
+from fxfuse.op.schema import FUSED_OPS, install_native_fallback
 from fxfuse.passes import allreduce_rmsnorm_fusion, donate_allreduce_input, merge_allreduce
 from fxfuse.passes.config import PATTERNS, PassConfig
 
@@ -171,6 +171,8 @@ class FxfuseBackend:
         after = snapshot(graph, previous=before)
         record = CompileRecord(before=before, after=after, stats=fusion_stats(graph, before, after, merged))
         self.records.append(record)
+        if record.stats.fused and torch.cuda.is_available():
+            install_native_fallback()  # the fused op's C++ fallback, before the graph first runs
         for name, value in asdict(record.stats).items():
             counters["fxfuse"][name] += value
         if self.dump_dir is not None:

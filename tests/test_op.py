@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from nccl_plan_helpers import use_nccl_plans
 from toy_graphs import fake_process_group
 
 from fxfuse.op.reference import add_rmsnorm
@@ -148,15 +149,8 @@ def test_donating_overloads_match_the_functional_op(group, with_residual):
 def _dispatch_on_rank(ctx):
     """On each rank: calls through fxfuse.op.cuda_dispatch with a group config that selects NCCL."""
     from fxfuse.op import cuda_dispatch
-    from fxfuse.op.flashinfer_version import features
-    from fxfuse.op.group_config import GroupConfig
-    from fxfuse.op.settings import FusionSettings
-    from fxfuse.op.thresholds import ThresholdTable
-    from fxfuse.op.topology import Topology
 
-    name = ctx.group.group_name
-    cuda_dispatch._GROUPS[name] = GroupConfig(name, ctx.world_size, "cpu test", 90, Topology.PCIE, "test",
-                                              features(None), FusionSettings(), ThresholdTable())
+    name = use_nccl_plans(ctx)
     built = []
     real_plan_call = cuda_dispatch.plan_call
     cuda_dispatch.plan_call = lambda *a: built.append(a) or real_plan_call(*a)
@@ -180,6 +174,10 @@ def _dispatch_on_rank(ctx):
                                      aliases=[o.untyped_storage().data_ptr() == donated_x.untyped_storage().data_ptr() for o in donated]))
     out["plans_built"] = len(built)
     out["stats"] = cuda_dispatch.fusion_stats()
+    try:  # a known shape with a weight of the wrong width: refused, although the shape's plan exists
+        cuda_dispatch.allreduce_residual_rmsnorm_cuda(x, residual, weight[:-1], 1e-5, name)
+    except ValueError as error:
+        out["bad_weight"] = str(error)
     cuda_dispatch.forget_plans(name)
     cuda_dispatch.allreduce_residual_rmsnorm_cuda(x, residual, weight, 1e-5, name)
     out["plans_after_forget"] = len(built)
@@ -200,6 +198,7 @@ def test_cuda_dispatch_nccl_plan_matches_the_reference_and_caches_its_plan():
         assert case0["padded_ptr_mod_16"] != 0
     # one plan per (shape, dtype, residual) key, not per call: 4 keys, 12 calls
     assert rank0["plans_built"] == 4 and rank0["plans_after_forget"] == 5
+    assert "must be [..., hidden], the same shape, and [hidden]" in rank0["bad_weight"]
     assert rank0["stats"]["fused"] == {}
     assert sum(rank0["stats"]["fallback"].values()) == 12
     assert all("PCIe group, but PCIe all-reduce unavailable" in reason for reason in rank0["stats"]["fallback"])

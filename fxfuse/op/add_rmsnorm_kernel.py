@@ -16,7 +16,9 @@ Host cost: the first CUDA launch of each (device, hidden, residual or not, dtype
 Triton's JIT, which compiles and returns the compiled kernel; later launches of that key call the
 compiled kernel's launcher directly (`fxfuse.op.triton_launch`), skipping the JIT's per-call argument
 binding and cache lookup, as Inductor does for its own kernels. That is valid because everything the
-JIT specializes on is in the key or checked per call (16-byte aligned pointers).
+JIT specializes on is in the key or checked per call (16-byte aligned pointers). The compiled
+kernel is also registered with the op's C++ fallback (`fxfuse.op.native_fallback`), which then
+launches it itself.
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ import functools
 
 import torch
 
+from fxfuse.op.native_fallback import offer_norm_kernel
 from fxfuse.op.triton_launch import DirectLaunch, launch_hooks_installed
 
 #: Widest row one program holds (elements); wider rows are not supported by this kernel.
 MAX_HIDDEN = 65536
 #: Pointer alignment the direct launch relies on (what Triton specializes pointers on).
 POINTER_ALIGNMENT = 16
+#: The compiled kernel's runtime parameters as PTX types: five pointers, the int32 row width, the float32 eps.
+PTX_PARAMETERS = ["u64"] * 5 + ["u32", "f32"]
 
 #: (device index, hidden, has residual, the five tensors' dtypes) -> the compiled kernel's direct launch.
 _DIRECT: dict[tuple, DirectLaunch] = {}
@@ -107,8 +112,9 @@ def add_rmsnorm_into(
     block = next_power_of_2(hidden)
     constexprs = (has_residual, block)
     compiled = _kernel()[(tokens,)](*args, *constexprs, num_warps=num_warps_for(block))
-    if reduced.is_cuda and _aligned(args[:5]):
-        _DIRECT.setdefault(key, DirectLaunch(compiled, constexprs))
+    if reduced.is_cuda and _aligned(args[:5]) and key not in _DIRECT:
+        _DIRECT[key] = DirectLaunch(compiled, constexprs)
+        offer_norm_kernel(key, compiled, PTX_PARAMETERS)
 
 
 def _aligned(tensors) -> bool:

@@ -9,7 +9,8 @@ plus the kernels' own launches. The plans:
 - `NcclPlan`: the group's all-reduce (`_c10d_functional.all_reduce_`, as Inductor issues it), then the
   fused add-RMSNorm kernel. When the caller donated `x` (the op's `donate_x` overloads, which the
   backend emits where Inductor can prove `x` is dead), the all-reduce runs in x's memory; otherwise
-  on a copy.
+  on a copy. Where the C++ fallback is installed (`fxfuse.op.native_fallback`), the shape is
+  registered with it and its later calls run the same steps in C++, never reaching Python.
 Plans are dropped when a group's workspaces change (a new `fxfuse.prepare`). Inputs that are not
 16-byte aligned or contiguous are copied first: a copy is the same decision on every rank, where
 falling back on one rank only would hang the others.
@@ -29,6 +30,7 @@ from fxfuse.op.add_rmsnorm_kernel import add_rmsnorm_into
 from fxfuse.op.flashinfer_version import installed_features
 from fxfuse.op.group_config import GroupConfig, agree_group_config, local_report
 from fxfuse.op.modes import FusionMode
+from fxfuse.op.native_fallback import calls_by_reason, forget_shapes, native_installed, register_shape, reset_counts
 from fxfuse.op.pcie_kernels import PcieAllReduceKernels, pcie_workspace_bytes
 from fxfuse.op.policy import FusionDecision, FusionProblem, decide, trtllm_token_cap
 from fxfuse.op.reference import resolve_group
@@ -68,20 +70,23 @@ def group_config(group: dist.ProcessGroup) -> GroupConfig:
 
 
 def fusion_stats() -> dict[str, dict]:
-    """A snapshot of the call counters: {"fused": {(group, mode, hidden, dtype): n}, "fallback": {reason: n}}."""
-    return {"fused": dict(_FUSED_CALLS), "fallback": dict(_FALLBACK_CALLS)}
+    """A snapshot of the call counters: {"fused": {(group, mode, hidden, dtype): n}, "fallback": {reason: n}}
+    (fallback calls the C++ path ran included)."""
+    return {"fused": dict(_FUSED_CALLS), "fallback": dict(_FALLBACK_CALLS + calls_by_reason())}
 
 
 def reset_fusion_stats() -> None:
     """Zero the call counters."""
     _FUSED_CALLS.clear()
     _FALLBACK_CALLS.clear()
+    reset_counts()
 
 
 def forget_plans(group_name: str | None = None) -> None:
     """Drop the cached plans of `group_name` (all if None): the next call of each shape decides anew."""
     for key in [k for k in _PLANS if group_name is None or k[0] == group_name]:
         del _PLANS[key]
+    forget_shapes(group_name)
 
 
 def aligned(t: torch.Tensor) -> torch.Tensor:
@@ -241,12 +246,14 @@ def allreduce_residual_rmsnorm_cuda(
     """
     hidden = x.shape[-1]
     key = (group_name, x.numel() // hidden if hidden else 0, hidden, x.dtype, weight.dtype, None if residual is None else residual.dtype)
+    if weight.shape != x.shape[-1:] or (residual is not None and residual.shape != x.shape):
+        raise ValueError(
+            f"allreduce_residual_rmsnorm: x {list(x.shape)}, residual {None if residual is None else list(residual.shape)} "
+            f"and weight {list(weight.shape)} must be [..., hidden], the same shape, and [hidden]"
+        )
     plan = _PLANS.get(key)
     if plan is None:
-        if weight.shape != x.shape[-1:] or (residual is not None and residual.shape != x.shape):
-            raise ValueError(
-                f"allreduce_residual_rmsnorm: x {list(x.shape)}, residual {None if residual is None else list(residual.shape)} "
-                f"and weight {list(weight.shape)} must be [..., hidden], the same shape, and [hidden]"
-            )
         plan = _PLANS[key] = plan_call(group_name, *key[1:])
+        if type(plan) is NcclPlan and native_installed():
+            register_shape(*key, plan.decision.reason)  # later calls of this shape stay in C++
     return plan(x, residual, weight, eps, x_donated)

@@ -2,7 +2,8 @@
 
 `prepare(group, hidden_size, dtype, max_tokens)` is what a CUDA-graph user calls on every rank before
 capturing: the ranks agree on settings and topology, create the workspaces the decision table will
-pick for 1..max_tokens tokens, resolve launch configurations and compile the fused norm kernel, so
+pick for 1..max_tokens tokens, resolve launch configurations, compile the fused norm kernel and
+install the C++ fallback (`fxfuse.op.schema.install_native_fallback`), so
 that nothing inside a capture needs a collective, an allocation or a compile. `destroy_workspaces`
 frees them (collective), refusing to free workspaces that captured graphs may still use unless told
 those graphs are gone. `forced_plan` builds one implementation's plan regardless of the table (for
@@ -31,6 +32,7 @@ from fxfuse.op.cuda_dispatch import (
 )
 from fxfuse.op.modes import FusionMode
 from fxfuse.op.policy import FusionDecision, decide
+from fxfuse.op.schema import install_native_fallback
 
 __all__ = ["destroy_workspaces", "forced_plan", "fusion_stats", "prepare", "reset_fusion_stats"]
 
@@ -49,6 +51,7 @@ def prepare(
     workspaces and keeps the old ones alive for graphs captured with them.
     """
     group = group if group is not None else dist.group.WORLD
+    install_native_fallback()
     config = group_config(group)
     max_tokens = max_tokens or config.settings.max_tokens
     entry = config.thresholds.lookup(config.gpu, config.world_size, hidden_size, dtype, config.topology.value)

@@ -27,16 +27,22 @@ Overloads:
   functional op. What x holds after the call is unspecified.
 
 The CPU kernels (gloo) are the reference (their arithmetic is `fxfuse.op.reference.add_rmsnorm`).
-The CUDA kernels live in `fxfuse.op.cuda_dispatch`, imported only when a CUDA tensor reaches the op.
+The CUDA kernels live in `fxfuse.op.cuda_dispatch`, imported only when a CUDA tensor reaches the op;
+`fxfuse.op.native_fallback` may put its C++ kernel in front of them (same values, less host time),
+which calls back into them through the internal op `allreduce_residual_rmsnorm_planned`.
 The fake kernels make the op traceable with symbolic token counts. Both outputs are fresh tensors:
 they never alias an input.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
+from fxfuse.op import native_fallback
+from fxfuse.op.native_build import load_native_library
 from fxfuse.op.reference import add_rmsnorm, resolve_group
 
 OP_NAME = "fxfuse::allreduce_residual_rmsnorm"
@@ -52,6 +58,19 @@ for _overload, _arguments in OVERLOADS.items():
     torch.library.define(OP_NAME if _overload == "default" else f"{OP_NAME}.{_overload}", f"{_arguments} -> {_RESULTS}")
 
 
+#: Internal ops of the CUDA path (see `fxfuse.op.native_fallback`): the Python kernel that decides
+#: and runs a call (what the C++ fallback calls for shapes it was not told to run itself), and the
+#: fused add-RMSNorm kernel writing into given outputs (what the C++ fallback launches after its
+#: all-reduce). Their CPU kernels are the reference, so the C++ path is testable on CPU.
+PLANNED_OP = "fxfuse::allreduce_residual_rmsnorm_planned"
+torch.library.define(PLANNED_OP, f"(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name, bool x_donated) -> {_RESULTS}")
+NORM_INTO_OP = "fxfuse::add_rmsnorm_into"
+torch.library.define(
+    NORM_INTO_OP,
+    "(Tensor reduced, Tensor? residual, Tensor weight, float eps, Tensor(a!) residual_out, Tensor(b!) normed) -> ()",
+)
+
+
 def _cpu_kernel(x, residual, weight, eps, group_name, x_donated: bool):
     """Reference: gloo all-reduce (in x itself when donated and contiguous), then `add_rmsnorm`."""
     eps = float(eps)
@@ -61,11 +80,37 @@ def _cpu_kernel(x, residual, weight, eps, group_name, x_donated: bool):
     return normed, residual_out.clone() if residual_out is x else residual_out
 
 
-def _cuda_kernel(x, residual, weight, eps, group_name, x_donated: bool):
-    """Delegates to `fxfuse.op.cuda_dispatch` (imported on the first CUDA call)."""
-    from fxfuse.op.cuda_dispatch import allreduce_residual_rmsnorm_cuda
+@functools.cache
+def _cuda_dispatch():
+    """`fxfuse.op.cuda_dispatch`, imported on the first CUDA call (its entry is looked up per call)."""
+    from fxfuse.op import cuda_dispatch
 
-    return allreduce_residual_rmsnorm_cuda(x, residual, weight, float(eps), group_name, x_donated)
+    return cuda_dispatch
+
+
+@functools.cache
+def _norm_into_entry():
+    """`fxfuse.op.add_rmsnorm_kernel.add_rmsnorm_into` (the Triton kernel), imported on first use."""
+    from fxfuse.op.add_rmsnorm_kernel import add_rmsnorm_into
+
+    return add_rmsnorm_into
+
+
+def _cuda_planned(x, residual, weight, eps, group_name, x_donated):
+    """CUDA kernel of `fxfuse::allreduce_residual_rmsnorm_planned`."""
+    return _cuda_dispatch().allreduce_residual_rmsnorm_cuda(x, residual, weight, eps, group_name, x_donated)
+
+
+def _cuda_norm_into(reduced, residual, weight, eps, residual_out, normed):
+    """CUDA kernel of `fxfuse::add_rmsnorm_into`."""
+    _norm_into_entry()(reduced, residual, weight, eps, residual_out, normed)
+
+
+def _cpu_norm_into(reduced, residual, weight, eps, residual_out, normed):
+    """Reference `add_rmsnorm`, written into the given outputs."""
+    expected_normed, expected_residual = add_rmsnorm(reduced, residual, weight, eps)
+    residual_out.copy_(expected_residual)
+    normed.copy_(expected_normed)
 
 
 def _fake_kernel(x, residual, weight, eps, group_name):
@@ -75,25 +120,67 @@ def _fake_kernel(x, residual, weight, eps, group_name):
     )
 
 
-def _register(overload: str) -> None:
-    name = OP_NAME if overload == "default" else f"{OP_NAME}.{overload}"
+#: Kernel registrations, held so they live as long as the module (`Library.impl` registers straight
+#: into the dispatcher: less host time per call than `torch.library.register_kernel`'s wrappers).
+_KERNELS = torch.library.Library("fxfuse", "IMPL")
+#: The Python CUDA kernels of the public overloads, in their own library so that
+#: `install_native_fallback` can replace them by the C++ kernel.
+_python_cuda_kernels: list[torch.library.Library] = []
+
+
+def _overload_name(overload: str) -> str:
+    return "allreduce_residual_rmsnorm" if overload == "default" else f"allreduce_residual_rmsnorm.{overload}"
+
+
+def _register_cpu_and_fake(overload: str) -> None:
     donated = overload.startswith("donate_x")
 
     def cpu(x, residual, weight, eps, group_name):
         return _cpu_kernel(x, residual, weight, eps, group_name, donated)
 
-    def cuda(x, residual, weight, eps, group_name):
-        return _cuda_kernel(x, residual, weight, eps, group_name, donated)
+    cpu.__doc__ = f"CPU reference kernel of `{OP_NAME}.{overload}`."
+    _KERNELS.impl(_overload_name(overload), cpu, "CPU")
+    torch.library.register_fake(OP_NAME if overload == "default" else f"{OP_NAME}.{overload}", _fake_kernel)
 
-    cpu.__doc__ = f"CPU reference kernel of `{name}`."
-    cuda.__doc__ = f"CUDA kernel of `{name}`."
-    torch.library.register_kernel(name, "cpu", cpu)
-    torch.library.register_kernel(name, "cuda", cuda)
-    torch.library.register_fake(name, _fake_kernel)
+
+def _register_python_cuda_kernels() -> None:
+    """Register the Python CUDA kernel (`fxfuse.op.cuda_dispatch`) of every public overload."""
+    library = torch.library.Library("fxfuse", "IMPL")
+    for overload in OVERLOADS:
+        donated = overload.startswith("donate_x")
+
+        def cuda(x, residual, weight, eps, group_name, donated=donated):
+            return _cuda_dispatch().allreduce_residual_rmsnorm_cuda(x, residual, weight, float(eps), group_name, donated)
+
+        cuda.__doc__ = f"CUDA kernel of `{OP_NAME}.{overload}`."
+        library.impl(_overload_name(overload), cuda, "CUDA")
+    _python_cuda_kernels.append(library)
+
+
+def install_native_fallback() -> bool:
+    """Make the C++ fallback (`fxfuse.op.native_fallback`) the public overloads' CUDA kernel, once per
+    process; False if it cannot be built or loaded here (the Python kernels then stay)."""
+    if not native_fallback.installation_decided():
+        installed = load_native_library() is not None
+        if installed:
+            while _python_cuda_kernels:
+                _python_cuda_kernels.pop()._destroy()  # Library's teardown (as torch.library._scoped_library uses)
+            try:
+                torch.ops.fxfuse_native.install()
+            except RuntimeError:
+                _register_python_cuda_kernels()
+                raise
+        native_fallback.record_installation(installed)
+    return native_fallback.native_installed()
 
 
 for _overload in OVERLOADS:
-    _register(_overload)
+    _register_cpu_and_fake(_overload)
+_register_python_cuda_kernels()
+_KERNELS.impl("allreduce_residual_rmsnorm_planned", _cpu_kernel, "CPU")
+_KERNELS.impl("allreduce_residual_rmsnorm_planned", _cuda_planned, "CUDA")
+_KERNELS.impl("add_rmsnorm_into", _cpu_norm_into, "CPU")
+_KERNELS.impl("add_rmsnorm_into", _cuda_norm_into, "CUDA")
 
 # The fused op's overloads, as they appear as the targets of nodes in FX graphs.
 allreduce_residual_rmsnorm = torch.ops.fxfuse.allreduce_residual_rmsnorm.default

@@ -1,6 +1,7 @@
 """GPU tests of the fused op's fallback (no FlashInfer needed): the Triton add-RMSNorm kernel against the
 reference arithmetic, and the op on a one-rank NCCL group (where it always takes its NCCL plan),
-eagerly, donated, and captured in a CUDA graph replayed on fresh input; plus a block compiled by
+eagerly, donated, and captured in a CUDA graph replayed on fresh input (the first call of a shape
+decided in Python, the later ones run by the C++ fallback, bit for bit the same); plus a block compiled by
 Inductor with the site fused, whose Inductor code donates the producer's buffer, under CUDA graphs.
 Run with `pytest -m gpu tests/gpu`."""
 
@@ -71,20 +72,27 @@ def one_rank_checks(ctx) -> dict:
     """The op on a one-rank NCCL group: eager, donated, and CUDA-graph replay on fresh input."""
     import fxfuse
     from fxfuse.op import cuda_dispatch
-    from fxfuse.op.schema import allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_donate_x
+    from fxfuse.op.native_fallback import calls_by_reason, native_installed
+    from fxfuse.op.schema import (
+        allreduce_residual_rmsnorm,
+        allreduce_residual_rmsnorm_donate_x,
+        allreduce_residual_rmsnorm_tensor_eps,
+    )
 
     device, name, hidden = torch.device("cuda", torch.cuda.current_device()), ctx.group.group_name, 7168
-    report = {"ready": fxfuse.prepare(ctx.group, hidden, torch.bfloat16, max_tokens=256)}
+    report = {"ready": fxfuse.prepare(ctx.group, hidden, torch.bfloat16, max_tokens=256), "native": native_installed()}
     report["eager"] = {}
     for tokens in (1, 16, 256, 1024):  # 1024: beyond the prepared size, the same NCCL plan
         x, xs, residual, weight = inputs(0, 1, tokens, 0, device, hidden)
         kept = x.clone()
-        out = allreduce_residual_rmsnorm(x, residual, weight, EPS, name)
+        out = allreduce_residual_rmsnorm(x, residual, weight, EPS, name)  # Python decides; later calls run in C++
         donated = allreduce_residual_rmsnorm_donate_x(x.clone(), residual, weight, EPS, name)
+        tensor_eps = allreduce_residual_rmsnorm_tensor_eps(x, residual, weight, torch.tensor(EPS, dtype=torch.float64), name)
         report["eager"][tokens] = (rel_errs(out, reference(xs, residual, weight)), torch.equal(x, kept),
-                                   [torch.equal(a, b) for a, b in zip(out, donated)])
+                                   [torch.equal(a, b) for a, b in zip(out + out, donated + tensor_eps)])
     plans = {type(plan).__name__ for plan in cuda_dispatch._PLANS.values()}
     report["plans"] = plans
+    report["cpp_calls"] = sum(calls_by_reason().values())
 
     x, _, residual, weight = inputs(0, 1, 64, 1, device, hidden)
     allreduce_residual_rmsnorm_donate_x(x.clone(), residual, weight, EPS, name)  # warm outside capture
@@ -111,6 +119,7 @@ def test_one_rank_nccl_fallback_eager_donated_and_replayed():
     (report,) = run_on_ranks(one_rank_checks, 1, device="cuda", timeout_s=120)
     assert report["ready"] is False  # nothing fused runs on one rank
     assert report["plans"] == {"NcclPlan"}
+    assert report["native"] and report["cpp_calls"] == 8  # the donated and tensor-eps calls of each shape
     for tokens, ((err_normed, err_residual), x_kept, donated_equal) in report["eager"].items():
         assert err_normed < TOLERANCE and err_residual < TOLERANCE, (tokens, err_normed, err_residual)
         assert x_kept and all(donated_equal), tokens

@@ -1,0 +1,316 @@
+// The fused op's NCCL fallback in C++: the per-call host work of `NcclPlan` without Python.
+//
+// Built and loaded by fxfuse/op/native_build.py; driven by fxfuse/op/native_fallback.py. Why it exists:
+// outside CUDA graphs every fused site pays the op's host cost, and a Python kernel pays the
+// dispatcher's conversion into Python plus one Python-to-C++ crossing per tensor operation it issues;
+// the unfused code Inductor compiles issues the same all-reduce, wait and norm launch with less. Here
+// the all-reduce, wait, output allocations, alignment copies and the launch of the add-RMSNorm kernel
+// (Triton's compiled kernel, through the driver's cuLaunchKernel, once Python registered it with
+// `fxfuse_native::register_norm_launch`) are C++ calls. Until a kernel is registered the launch goes
+// back to Python, through the op `fxfuse::add_rmsnorm_into` (and so always on CPU, in tests).
+//
+// What runs is still decided in Python: `fxfuse_native::register_nccl` marks one call shape
+// (group, tokens, hidden, dtypes) as "NCCL fallback" once Python has decided it; calls of any other
+// shape go to `fxfuse::allreduce_residual_rmsnorm_planned` (the Python kernel, which decides, and runs
+// the other plans). `fxfuse_native::install(key)` puts `run_boxed` in front of the four overloads of
+// `fxfuse::allreduce_residual_rmsnorm` for one dispatch key (CUDA in use; tests also use CPU).
+//
+// Arithmetic is exactly the Python plan's: all-reduce sum into x's memory when x is donated,
+// contiguous and 16-byte aligned (else into a contiguous copy), then the add-RMSNorm kernel writing a
+// fresh `residual_out` (or the reduced buffer itself when it is a copy) and a fresh `normed`.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <dlfcn.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kAlignment = 16;
+constexpr int8_t kNoResidual = -1;
+
+struct ShapeKey {
+  std::string group;
+  int64_t tokens;
+  int64_t hidden;
+  int8_t x_dtype;
+  int8_t weight_dtype;
+  int8_t residual_dtype;  // kNoResidual when the call has no residual
+
+  bool operator==(const ShapeKey& other) const {
+    return tokens == other.tokens && hidden == other.hidden && x_dtype == other.x_dtype &&
+           weight_dtype == other.weight_dtype && residual_dtype == other.residual_dtype && group == other.group;
+  }
+};
+
+struct ShapeKeyHash {
+  size_t operator()(const ShapeKey& key) const {
+    size_t h = std::hash<std::string>()(key.group);
+    for (int64_t part : {key.tokens, key.hidden, int64_t(key.x_dtype), int64_t(key.weight_dtype),
+                         int64_t(key.residual_dtype)}) {
+      h = h * 1000003u ^ std::hash<int64_t>()(part);
+    }
+    return h;
+  }
+};
+
+// A compiled add-RMSNorm kernel (Triton's), launched with the driver's cuLaunchKernel: which device,
+// row width, residual or not and dtypes (x, weight, residual) it was compiled for.
+struct NormKey {
+  int8_t device;
+  int64_t hidden;
+  bool has_residual;
+  int8_t x_dtype;
+  int8_t weight_dtype;
+  int8_t residual_dtype;
+
+  bool operator==(const NormKey& other) const {
+    return device == other.device && hidden == other.hidden && has_residual == other.has_residual &&
+           x_dtype == other.x_dtype && weight_dtype == other.weight_dtype && residual_dtype == other.residual_dtype;
+  }
+};
+
+struct NormKeyHash {
+  size_t operator()(const NormKey& key) const {
+    size_t h = std::hash<int64_t>()(key.hidden);
+    for (int64_t part : {int64_t(key.device), int64_t(key.has_residual), int64_t(key.x_dtype),
+                         int64_t(key.weight_dtype), int64_t(key.residual_dtype)}) {
+      h = h * 1000003u ^ std::hash<int64_t>()(part);
+    }
+    return h;
+  }
+};
+
+// What fxfuse/op/triton_launch.py:driver_launch vouched for: the kernel takes (reduced, residual,
+// weight, residual_out, normed pointers, int32 hidden, float32 eps) and at most two null scratch pointers.
+struct NormLaunch {
+  void* function;
+  unsigned threads;
+  unsigned shared_bytes;
+};
+
+// Shapes Python decided to run as the NCCL fallback: key -> (index of) its call counter.
+std::mutex registry_mutex;
+std::unordered_map<ShapeKey, size_t, ShapeKeyHash> nccl_shapes;
+// One counter per registration, in a deque so that they never move: a call bumps its counter
+// through a pointer taken under the lock.
+std::deque<std::atomic<int64_t>> call_counts;
+std::vector<std::unique_ptr<torch::Library>> installed;
+std::unordered_map<NormKey, NormLaunch, NormKeyHash> norm_launches;
+
+using LaunchKernelFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*,
+                               void**, void**);
+
+// The driver's cuLaunchKernel (libcuda is loaded by then: the kernel being launched came from it).
+LaunchKernelFn launch_kernel_fn() {
+  static const LaunchKernelFn fn = [] {
+    void* driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    return driver ? reinterpret_cast<LaunchKernelFn>(dlsym(driver, "cuLaunchKernel")) : nullptr;
+  }();
+  return fn;
+}
+
+int8_t dtype_code(at::ScalarType dtype) { return static_cast<int8_t>(dtype); }
+
+bool aligned_contiguous(const at::Tensor& t) {
+  return t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % kAlignment == 0;
+}
+
+at::Tensor aligned(const at::Tensor& t) {
+  return aligned_contiguous(t) ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+c10::OperatorHandle op_handle(const char* name, const char* overload) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, overload);
+}
+
+c10::DispatchKeySet backend_keys(const at::Tensor& t) {
+  return c10::DispatchKeySet(t.is_cuda() ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU);
+}
+
+// The Python kernel that decides and runs every plan (shapes not registered here).
+std::tuple<at::Tensor, at::Tensor> run_planned(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                               const at::Tensor& weight, double eps, const std::string& group,
+                                               bool donated) {
+  static const c10::OperatorHandle planned = op_handle("fxfuse::allreduce_residual_rmsnorm_planned", "");
+  torch::jit::Stack stack{x, residual, weight, eps, group, donated};
+  planned.redispatchBoxed(backend_keys(x), &stack);
+  return {stack[0].toTensor(), stack[1].toTensor()};
+}
+
+std::optional<NormLaunch> norm_launch_for(const NormKey& key) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto found = norm_launches.find(key);
+  if (found == norm_launches.end()) return std::nullopt;
+  return found->second;
+}
+
+// The add-RMSNorm kernel on the current stream of reduced's device, one program per row.
+void launch_norm(const NormLaunch& launch, int64_t tokens, const at::Tensor& reduced, const at::Tensor& residual,
+                 const at::Tensor& weight, const at::Tensor& residual_out, const at::Tensor& normed, double eps) {
+  void* pointers[5] = {reduced.data_ptr(), residual.data_ptr(), weight.data_ptr(), residual_out.data_ptr(),
+                       normed.data_ptr()};
+  int32_t hidden = static_cast<int32_t>(reduced.size(-1));
+  float eps32 = static_cast<float>(eps);
+  void* null_scratch = nullptr;
+  void* params[9] = {&pointers[0], &pointers[1], &pointers[2], &pointers[3], &pointers[4],
+                     &hidden,      &eps32,       &null_scratch, &null_scratch};
+  void* stream = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getStream(reduced.device()).native_handle();
+  const int status = launch_kernel_fn()(launch.function, static_cast<unsigned>(tokens), 1, 1, launch.threads, 1, 1,
+                                        launch.shared_bytes, stream, params, nullptr);
+  TORCH_CHECK(status == 0, "fxfuse: cuLaunchKernel of the add-RMSNorm kernel failed with CUresult ", status);
+}
+
+std::atomic<int64_t>* counter_of(const ShapeKey& key) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto found = nccl_shapes.find(key);
+  return found == nccl_shapes.end() ? nullptr : &call_counts[found->second];
+}
+
+std::tuple<at::Tensor, at::Tensor> run_shape(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                             const at::Tensor& weight, double eps, const std::string& group,
+                                             bool donated) {
+  const int64_t hidden = x.dim() ? x.size(-1) : 0;
+  const ShapeKey key{group, hidden ? x.numel() / hidden : 0, hidden, dtype_code(x.scalar_type()),
+                     dtype_code(weight.scalar_type()),
+                     residual.has_value() ? dtype_code(residual->scalar_type()) : kNoResidual};
+  std::atomic<int64_t>* counter = counter_of(key);
+  const bool shapes_fit = weight.numel() == hidden && (!residual.has_value() || residual->numel() == x.numel());
+  if (counter == nullptr || key.tokens == 0 || !shapes_fit) {  // Python decides (and raises on bad shapes)
+    return run_planned(x, residual, weight, eps, group, donated);
+  }
+  static const c10::OperatorHandle all_reduce_ = op_handle("_c10d_functional::all_reduce_", "");
+  static const c10::OperatorHandle wait_tensor = op_handle("_c10d_functional::wait_tensor", "");
+  static const c10::OperatorHandle add_rmsnorm_into = op_handle("fxfuse::add_rmsnorm_into", "");
+
+  const bool in_place = donated && aligned_contiguous(x);
+  at::Tensor reduced = in_place ? x : x.clone(at::MemoryFormat::Contiguous);
+  {
+    torch::jit::Stack stack{reduced, std::string("sum"), group};
+    all_reduce_.callBoxed(&stack);
+    stack = {reduced};
+    wait_tensor.callBoxed(&stack);
+  }
+  at::Tensor residual_out = in_place ? at::empty_like(reduced) : reduced;
+  at::Tensor normed = at::empty_like(reduced);
+  std::optional<at::Tensor> residual_in;
+  if (residual.has_value()) residual_in = aligned(*residual);
+  const at::Tensor weight_in = aligned(weight);
+  std::optional<NormLaunch> launch;
+  if (reduced.is_cuda() && launch_kernel_fn() != nullptr) {
+    launch = norm_launch_for({static_cast<int8_t>(reduced.get_device()), hidden, residual.has_value(), key.x_dtype,
+                              key.weight_dtype, key.residual_dtype});
+  }
+  if (launch.has_value()) {
+    launch_norm(*launch, key.tokens, reduced, residual_in.value_or(reduced), weight_in, residual_out, normed, eps);
+  } else {  // not compiled yet (or not launchable from here): the Python kernel launches it
+    torch::jit::Stack stack{reduced, residual_in, weight_in, eps, residual_out, normed};
+    add_rmsnorm_into.redispatchBoxed(backend_keys(reduced), &stack);
+  }
+  counter->fetch_add(1, std::memory_order_relaxed);
+  return {normed, residual_out};
+}
+
+template <bool donated>
+void run_boxed(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  // Arguments: x, residual (None or Tensor), weight, eps (float, or a 0-dim CPU tensor), group_name.
+  auto args = torch::jit::last(*stack, 5);
+  const at::Tensor x = args[0].toTensor();
+  std::optional<at::Tensor> residual;
+  if (!args[1].isNone()) residual = args[1].toTensor();
+  const at::Tensor weight = args[2].toTensor();
+  const double eps = args[3].isTensor() ? args[3].toTensor().item<double>() : args[3].toDouble();
+  const std::string group = args[4].toStringRef();
+  torch::jit::drop(*stack, 5);
+  auto [normed, residual_out] = run_shape(x, residual, weight, eps, group, donated);
+  stack->emplace_back(std::move(normed));
+  stack->emplace_back(std::move(residual_out));
+}
+
+int64_t register_nccl(std::string group, int64_t tokens, int64_t hidden, at::ScalarType x_dtype,
+                      at::ScalarType weight_dtype, std::optional<at::ScalarType> residual_dtype) {
+  const ShapeKey key{group, tokens, hidden, dtype_code(x_dtype), dtype_code(weight_dtype),
+                     residual_dtype.has_value() ? dtype_code(*residual_dtype) : kNoResidual};
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto found = nccl_shapes.find(key);
+  if (found != nccl_shapes.end()) return static_cast<int64_t>(found->second);
+  call_counts.emplace_back(0);
+  const size_t index = call_counts.size() - 1;
+  nccl_shapes.emplace(key, index);
+  return static_cast<int64_t>(index);
+}
+
+void register_norm_launch(int64_t device, int64_t hidden, bool has_residual, at::ScalarType x_dtype,
+                          at::ScalarType weight_dtype, std::optional<at::ScalarType> residual_dtype, int64_t function,
+                          int64_t threads, int64_t shared_bytes) {
+  const NormKey key{static_cast<int8_t>(device), hidden, has_residual, dtype_code(x_dtype), dtype_code(weight_dtype),
+                    residual_dtype.has_value() ? dtype_code(*residual_dtype) : kNoResidual};
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  norm_launches[key] = {reinterpret_cast<void*>(function), static_cast<unsigned>(threads),
+                        static_cast<unsigned>(shared_bytes)};
+}
+
+void forget(std::optional<std::string> group) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  for (auto it = nccl_shapes.begin(); it != nccl_shapes.end();) {
+    it = (!group.has_value() || it->first.group == *group) ? nccl_shapes.erase(it) : std::next(it);
+  }
+}
+
+std::vector<int64_t> counts() {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  std::vector<int64_t> out;
+  out.reserve(call_counts.size());
+  for (const auto& count : call_counts) out.push_back(count.load(std::memory_order_relaxed));
+  return out;
+}
+
+void reset_counts() {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  for (auto& count : call_counts) count.store(0, std::memory_order_relaxed);
+}
+
+void install() {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto library =
+      std::make_unique<torch::Library>(torch::Library::IMPL, "fxfuse", c10::DispatchKey::CUDA, __FILE__, __LINE__);
+  library->impl("allreduce_residual_rmsnorm", torch::CppFunction::makeFromBoxedFunction<&run_boxed<false>>());
+  library->impl("allreduce_residual_rmsnorm.tensor_eps", torch::CppFunction::makeFromBoxedFunction<&run_boxed<false>>());
+  library->impl("allreduce_residual_rmsnorm.donate_x", torch::CppFunction::makeFromBoxedFunction<&run_boxed<true>>());
+  library->impl("allreduce_residual_rmsnorm.donate_x_tensor_eps",
+                torch::CppFunction::makeFromBoxedFunction<&run_boxed<true>>());
+  installed.push_back(std::move(library));
+}
+
+// `fxfuse_native::run`: the same path called directly (tests drive it with CPU tensors).
+std::tuple<at::Tensor, at::Tensor> run(at::Tensor x, std::optional<at::Tensor> residual, at::Tensor weight, double eps,
+                                       std::string group, bool donated) {
+  return run_shape(x, residual, weight, eps, group, donated);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(fxfuse_native, m) {
+  m.def("install() -> ()", &install);
+  m.def("register_nccl(str group_name, int tokens, int hidden, ScalarType x_dtype, ScalarType weight_dtype, "
+        "ScalarType? residual_dtype) -> int",
+        &register_nccl);
+  m.def("register_norm_launch(int device, int hidden, bool has_residual, ScalarType x_dtype, ScalarType weight_dtype, "
+        "ScalarType? residual_dtype, int function, int threads, int shared_bytes) -> ()",
+        &register_norm_launch);
+  m.def("forget(str? group_name) -> ()", &forget);
+  m.def("call_counts() -> int[]", &counts);
+  m.def("reset_counts() -> ()", &reset_counts);
+  m.def("run(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name, bool x_donated) -> (Tensor, Tensor)",
+        &run);
+}
