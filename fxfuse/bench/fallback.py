@@ -22,16 +22,14 @@ fallback_vs_inductor: [{tokens, hidden, fallback_us, inductor_us, ratio, ...}], 
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed._functional_collectives as funcol
 
 from fxfuse.bench.arguments import FALLBACK_DESCRIPTION, add_fallback_arguments
 from fxfuse.bench.output import gpu_slug, header_lines, one_gpu_arguments, report_header, package_versions, publish, relative_l2_error, write_result_files
-from fxfuse.bench.replay import replay_timings
+from fxfuse.bench.replay import interleaved_wall_us, replay_timings
 from fxfuse.runner.launch import run_on_ranks
 
 EPS = 1e-6
@@ -74,6 +72,7 @@ def bench_rank(ctx, options: dict) -> dict:
     import fxfuse
     from fxfuse.backend import FxfuseBackend
     from fxfuse.op.cuda_dispatch import fusion_stats
+    from fxfuse.op.native_fallback import native_installed
 
     device = torch.device("cuda", torch.cuda.current_device())
     group_name = ctx.group.group_name
@@ -105,6 +104,7 @@ def bench_rank(ctx, options: dict) -> dict:
         "iters": options["iters"],
         "repeats": options["repeats"],
         "max_rel_err": max(errors),
+        "native_fallback": native_installed(),
         "fallback_calls": {k: v for k, v in fusion_stats()["fallback"].items()},
         "fallback_vs_inductor": rows,
         "host_cost": host_rows,
@@ -137,43 +137,37 @@ def _time_point(variants: dict, inputs, group_name: str, options: dict) -> dict:
 
 def _host_cost(variants: dict, inputs, group_name: str, calls: int) -> dict:
     """Wall microseconds per uncaptured call, `calls` back to back (the GPU work is tiny at 1 token):
-    the two compiled blocks, and the parts of the fused op's fallback called eagerly (`parts_us`)."""
-    out = {f"{name}_host_us": _wall_us(lambda fn=fn: fn(*inputs, group_name), calls) for name, fn in variants.items()}
+    the two compiled blocks, and the parts of the fused op's fallback called eagerly (`parts_us`);
+    medians (and quartiles) over interleaved rounds, so that a slow spell of the host hits all alike."""
+    blocks = interleaved_wall_us({name: (lambda fn=fn: fn(*inputs, group_name)) for name, fn in variants.items()}, calls)
+    out = {}
+    for name, (median, q1, q3) in blocks.items():
+        out.update({f"{name}_host_us": median, f"{name}_host_p25": q1, f"{name}_host_p75": q3})
     out["ratio"] = out["fallback_host_us"] / out["inductor_host_us"]
-    out["parts_us"] = _fallback_parts_us(inputs, group_name, calls)
+    out["parts_us"] = {name: median for name, (median, _, _) in _fallback_parts_us(inputs, group_name, calls).items()}
     return out
 
 
 def _fallback_parts_us(inputs, group_name: str, calls: int) -> dict:
     """Host cost of what one fallback call does, piece by piece, called eagerly: the all-reduce + wait
-    it issues, its add-RMSNorm kernel launch, and the whole op through the dispatcher."""
+    it issues, its add-RMSNorm kernel launch, the whole op through the dispatcher (its C++ kernel where
+    that is installed), and the op's Python kernel (`..._planned`, what runs without the C++ one)."""
     from fxfuse.op.add_rmsnorm_kernel import add_rmsnorm_into
     from fxfuse.op.schema import allreduce_residual_rmsnorm_donate_x
 
+    python_kernel = torch.ops.fxfuse.allreduce_residual_rmsnorm_planned.default
+    norm_op = torch.ops.fxfuse.add_rmsnorm_into.default  # the norm launch as the C++ fallback makes it without its own launch
     inp, residual, weight = inputs
     buffer, out_a, out_b = inp.clone(), torch.empty_like(inp), torch.empty_like(inp)
     all_reduce_, wait = torch.ops._c10d_functional.all_reduce_.default, torch.ops._c10d_functional.wait_tensor.default
-    return {
-        "allreduce_wait": _wall_us(lambda: wait(all_reduce_(buffer, "sum", group_name)), calls),
-        "empty_like_x2": _wall_us(lambda: (torch.empty_like(buffer), torch.empty_like(buffer)), calls),
-        "norm_kernel": _wall_us(lambda: add_rmsnorm_into(buffer, residual, weight, EPS, out_a, out_b), calls),
-        "op_eager": _wall_us(lambda: allreduce_residual_rmsnorm_donate_x(buffer, residual, weight, EPS, group_name), calls),
-    }
-
-
-def _wall_us(call, calls: int) -> float:
-    """Median over 5 samples of the wall microseconds per call of `calls` back-to-back calls."""
-    for _ in range(10):
-        call()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        began = time.perf_counter()
-        for _ in range(calls):
-            call()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - began) * 1e6 / calls)
-    return statistics.median(samples)
+    return interleaved_wall_us({
+        "allreduce_wait": lambda: wait(all_reduce_(buffer, "sum", group_name)),
+        "empty_like_x2": lambda: (torch.empty_like(buffer), torch.empty_like(buffer)),
+        "norm_kernel": lambda: add_rmsnorm_into(buffer, residual, weight, EPS, out_a, out_b),
+        "norm_op": lambda: norm_op(buffer, residual, weight, EPS, out_a, out_b),
+        "op_eager": lambda: allreduce_residual_rmsnorm_donate_x(buffer, residual, weight, EPS, group_name),
+        "op_python_kernel": lambda: python_kernel(buffer, residual, weight, EPS, group_name, True),
+    }, calls)
 
 
 def markdown(report: dict) -> str:
@@ -189,9 +183,11 @@ def markdown(report: dict) -> str:
     for r in report["fallback_vs_inductor"]:
         lines.append(f"| {r['hidden']} | {r['tokens']} | {r['inductor_us']:.2f} ({r['inductor_p25']:.2f}-{r['inductor_p75']:.2f}) "
                      f"| {r['fallback_us']:.2f} ({r['fallback_p25']:.2f}-{r['fallback_p75']:.2f}) | {r['ratio']:.3f} |")
-    lines += ["", "Host cost per uncaptured call (1 token):", "", "| hidden | Inductor us | fxfuse us | ratio |", "|---:|---:|---:|---:|"]
+    lines += ["", f"Host cost per uncaptured call (1 token; the op's C++ fallback {'installed' if report.get('native_fallback') else 'NOT installed'}; "
+              "median (p25-p75) of interleaved rounds):", "", "| hidden | Inductor us | fxfuse us | ratio |", "|---:|---:|---:|---:|"]
     for r in report["host_cost"]:
-        lines.append(f"| {r['hidden']} | {r['inductor_host_us']:.1f} | {r['fallback_host_us']:.1f} | {r['ratio']:.3f} |")
+        lines.append(f"| {r['hidden']} | {r['inductor_host_us']:.1f} ({r['inductor_host_p25']:.1f}-{r['inductor_host_p75']:.1f}) "
+                     f"| {r['fallback_host_us']:.1f} ({r['fallback_host_p25']:.1f}-{r['fallback_host_p75']:.1f}) | {r['ratio']:.3f} |")
     lines += ["", "Parts of one fallback call, called eagerly (us per call):", ""]
     for r in report["host_cost"]:
         lines.append(f"- hidden {r['hidden']}: " + ", ".join(f"{name} {us:.1f}" for name, us in r["parts_us"].items()))
