@@ -144,3 +144,24 @@ def test_without_the_library_the_python_cuda_kernel_stays(tmp_path, env, warning
 def test_install_replaces_every_overloads_cuda_kernel(native_cache):
     installed, sources, _ = _install_report({})
     assert installed == "True True" and sources == "['native_fallback.cpp']"
+
+
+def test_norm_kernels_compiled_before_the_installation_are_registered_by_it(monkeypatch):
+    """A kernel compiled before the C++ path was installed (an eager call before `fxfuse.prepare`) is
+    registered when it is; one compiled after, at once; none if the installation failed."""
+    from fxfuse.op import native_fallback
+
+    registered = []
+    for name, value in (("_INSTALLED", []), ("_NORM_KERNELS", {})):
+        monkeypatch.setattr(native_fallback, name, value)
+    monkeypatch.setattr(native_fallback, "_register_norm_kernel", lambda key, compiled, types: registered.append(key))
+    native_fallback.offer_norm_kernel(("early",), object(), ["u64"])
+    assert registered == [] and not native_fallback.installation_decided()
+    native_fallback.record_installation(True)
+    assert registered == [("early",)] and native_fallback.native_installed()
+    native_fallback.offer_norm_kernel(("late",), object(), ["u64"])
+    assert registered == [("early",), ("late",)]
+    monkeypatch.setattr(native_fallback, "_INSTALLED", [])
+    native_fallback.record_installation(False)
+    native_fallback.offer_norm_kernel(("after a failed build",), object(), ["u64"])
+    assert registered == [("early",), ("late",)] and not native_fallback.native_installed()
