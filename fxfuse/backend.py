@@ -84,6 +84,16 @@ def fusion_stats(graph: torch.fx.Graph, before: GraphSnapshot, after: GraphSnaps
     )
 
 
+def fused_sites_on_cuda(graph: torch.fx.Graph) -> bool:
+    """Whether a fused op of the rewritten graph takes a CUDA tensor (from the nodes' fake values)."""
+    for op in FUSED_OPS:
+        for node in graph.find_nodes(op="call_function", target=op):
+            value = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+            if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+                return True
+    return False
+
+
 class _PostGradFusionPass(CustomGraphPass):
     """The fxfuse rewrite as Inductor's `post_grad_custom_post_pass`, then the donation of each fused
     op's input (`fxfuse.passes.donate_allreduce_input`), which Inductor's re-inplacing pass completes.
@@ -171,7 +181,7 @@ class FxfuseBackend:
         after = snapshot(graph, previous=before)
         record = CompileRecord(before=before, after=after, stats=fusion_stats(graph, before, after, merged))
         self.records.append(record)
-        if record.stats.fused and torch.cuda.is_available():
+        if fused_sites_on_cuda(graph):
             install_native_fallback()  # the fused op's C++ fallback, before the graph first runs
         for name, value in asdict(record.stats).items():
             counters["fxfuse"][name] += value

@@ -165,3 +165,36 @@ def test_norm_kernels_compiled_before_the_installation_are_registered_by_it(monk
     native_fallback.record_installation(False)
     native_fallback.offer_norm_kernel(("after a failed build",), object(), ["u64"])
     assert registered == [("early",), ("late",)] and not native_fallback.native_installed()
+
+
+_COMPILE_AND_REPORT = """
+import os, torch, torch.distributed as dist, torch.distributed._functional_collectives as funcol
+import fxfuse.backend
+from fxfuse.op.native_fallback import native_installed
+dist.init_process_group("gloo", init_method="file://" + os.environ["STORE"], rank=0, world_size=1)
+seen, really_on_cuda = [], fxfuse.backend.fused_sites_on_cuda
+def on_cuda(graph):  # CPU tensors here: answer as for a CUDA graph, so the pass installs as it would there
+    seen.append(really_on_cuda(graph))
+    return True
+fxfuse.backend.fused_sites_on_cuda = on_cuda
+def block(x, residual, weight):
+    hidden = funcol.all_reduce(x * 2, "sum", dist.group.WORLD.group_name) + residual
+    h = hidden.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(hidden.dtype), hidden
+backend = fxfuse.backend.FxfuseBackend(fuse_without_fast_kernel=True)
+x, residual, weight = torch.randn(4, 64), torch.randn(4, 64), torch.randn(64)
+out = torch.compile(block, backend=backend, fullgraph=True)(x, residual, weight)
+torch.testing.assert_close(out, block(x, residual, weight))
+print(backend.records[-1].stats.fused, seen, native_installed())
+"""
+
+
+@pytest.mark.slow
+def test_the_backend_installs_it_while_inductor_compiles(native_cache, tmp_path):
+    """The pass installs the C++ fallback from inside Inductor's compile (fake tensors active) when the
+    graph has fused CUDA sites; the CPU graph itself (not CUDA: the pass's own check says False) still
+    computes what the unfused block does."""
+    done = subprocess.run([sys.executable, "-c", _COMPILE_AND_REPORT], env={**os.environ, "STORE": str(tmp_path / "store")},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[-2] == "1 [False] True"
