@@ -2,7 +2,8 @@
 reference arithmetic, and the op on a one-rank NCCL group (where it always takes its NCCL plan),
 eagerly, donated, and captured in a CUDA graph replayed on fresh input (the first call of a shape
 decided in Python, the later ones run by the C++ fallback, bit for bit the same); plus a block compiled by
-Inductor with the site fused, whose Inductor code donates the producer's buffer, under CUDA graphs.
+Inductor with the site fused, whose Inductor code donates the producer's buffer, under CUDA graphs;
+and a fused block compiled without `fxfuse.prepare`, for which the backend installs the C++ fallback.
 Run with `pytest -m gpu tests/gpu`."""
 
 from __future__ import annotations
@@ -172,3 +173,33 @@ def test_compiled_block_fallback_matches_inductor_under_cuda_graphs():
     assert report["fused_sites"] == 1 and report["donates"] and not report["clones"]
     for errors in (report["vs_inductor"], report["replay_vs_inductor"]):
         assert max(errors) < 1e-2, report
+
+
+def compile_without_prepare(ctx) -> dict:
+    """A fused block compiled and run with no `fxfuse.prepare`: the backend installs the C++ fallback."""
+    import torch.distributed._functional_collectives as funcol
+
+    from fxfuse.backend import FxfuseBackend
+    from fxfuse.op.native_fallback import calls_by_reason, native_installed
+
+    def block(inp, residual, weight):
+        hidden = funcol.all_reduce(inp * 2, "sum", ctx.group.group_name) + residual
+        h = hidden.float()
+        return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(hidden.dtype), hidden
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    installed_before = native_installed()
+    fused = torch.compile(block, backend=FxfuseBackend(fuse_without_fast_kernel=True), fullgraph=True)
+    inp, xs, residual, weight = inputs(0, 1, 8, 6, device, 4096)
+    with torch.no_grad():
+        outs = [fused(inp, residual, weight) for _ in range(3)]  # Python decides the shape once, then C++
+    expected = reference([2 * x for x in xs], residual, weight)
+    return {"installed_before": installed_before, "installed": native_installed(), "cpp_calls": sum(calls_by_reason().values()),
+            "errors": [rel_errs(out, expected) for out in outs]}
+
+
+def test_the_backend_installs_the_cpp_fallback_when_it_compiles_fused_cuda_sites():
+    (report,) = run_on_ranks(compile_without_prepare, 1, device="cuda", timeout_s=240)
+    assert not report["installed_before"] and report["installed"] and report["cpp_calls"] == 2, report
+    for err_normed, err_residual in report["errors"]:
+        assert err_normed < TOLERANCE and err_residual < TOLERANCE, report["errors"]
