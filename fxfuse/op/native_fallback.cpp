@@ -12,8 +12,9 @@
 // What runs is still decided in Python: `fxfuse_native::register_nccl` marks one call shape
 // (group, tokens, hidden, dtypes) as "NCCL fallback" once Python has decided it; calls of any other
 // shape go to `fxfuse::allreduce_residual_rmsnorm_planned` (the Python kernel, which decides, and runs
-// the other plans). `fxfuse_native::install(key)` puts `run_boxed` in front of the four overloads of
-// `fxfuse::allreduce_residual_rmsnorm` for one dispatch key (CUDA in use; tests also use CPU).
+// the other plans). `fxfuse_native::install()` makes `run_boxed` the CUDA kernel of the four overloads
+// of `fxfuse::allreduce_residual_rmsnorm`; `fxfuse_native::run` is the same path as a plain op (tests
+// drive it with CPU tensors and gloo).
 //
 // Arithmetic is exactly the Python plan's: all-reduce sum into x's memory when x is donated,
 // contiguous and 16-byte aligned (else into a contiguous copy), then the add-RMSNorm kernel writing a
