@@ -168,8 +168,9 @@ def test_norm_kernels_compiled_before_the_installation_are_registered_by_it(monk
 
 
 _COMPILE_AND_REPORT = """
-import os, torch, torch.distributed as dist, torch.distributed._functional_collectives as funcol
+import os, torch, torch.distributed as dist
 import fxfuse.backend
+from fxfuse.bench.fallback import block
 from fxfuse.op.native_fallback import native_installed
 dist.init_process_group("gloo", init_method="file://" + os.environ["STORE"], rank=0, world_size=1)
 seen, really_on_cuda = [], fxfuse.backend.fused_sites_on_cuda
@@ -177,14 +178,11 @@ def on_cuda(graph):  # CPU tensors here: answer as for a CUDA graph, so the pass
     seen.append(really_on_cuda(graph))
     return True
 fxfuse.backend.fused_sites_on_cuda = on_cuda
-def block(x, residual, weight):
-    hidden = funcol.all_reduce(x * 2, "sum", dist.group.WORLD.group_name) + residual
-    h = hidden.float()
-    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(hidden.dtype), hidden
+group_name = dist.group.WORLD.group_name
 backend = fxfuse.backend.FxfuseBackend(fuse_without_fast_kernel=True)
 x, residual, weight = torch.randn(4, 64), torch.randn(4, 64), torch.randn(64)
-out = torch.compile(block, backend=backend, fullgraph=True)(x, residual, weight)
-torch.testing.assert_close(out, block(x, residual, weight))
+out = torch.compile(block, backend=backend, fullgraph=True)(x, residual, weight, group_name)
+torch.testing.assert_close(out, block(x, residual, weight, group_name))
 print(backend.records[-1].stats.fused, seen, native_installed())
 """
 

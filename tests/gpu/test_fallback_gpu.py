@@ -128,19 +128,21 @@ def test_one_rank_nccl_fallback_eager_donated_and_replayed():
         assert err_normed < TOLERANCE and err_residual < TOLERANCE, report["graph"]
 
 
+def _block_on(group_name: str):
+    """`fxfuse bench fallback`'s block (producer, all-reduce, residual add, RMSNorm) on one group."""
+    from fxfuse.bench.fallback import block
+
+    return lambda inp, residual, weight: block(inp, residual, weight, group_name)
+
+
 def compiled_block_checks(ctx) -> dict:
     """A producer -> all-reduce -> add -> RMSNorm block compiled by Inductor with the site fused."""
-    import torch.distributed._functional_collectives as funcol
     from torch._inductor.utils import run_and_get_code
 
     import fxfuse
     from fxfuse.backend import FxfuseBackend
 
-    def block(inp, residual, weight):
-        hidden = funcol.all_reduce(inp * 2, "sum", ctx.group.group_name) + residual
-        h = hidden.float()
-        return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(hidden.dtype), hidden
-
+    block = _block_on(ctx.group.group_name)
     device = torch.device("cuda", torch.cuda.current_device())
     fxfuse.prepare(ctx.group, 4096, torch.bfloat16, max_tokens=64)
     backend = FxfuseBackend(fuse_without_fast_kernel=True)
@@ -177,16 +179,10 @@ def test_compiled_block_fallback_matches_inductor_under_cuda_graphs():
 
 def compile_without_prepare(ctx) -> dict:
     """A fused block compiled and run with no `fxfuse.prepare`: the backend installs the C++ fallback."""
-    import torch.distributed._functional_collectives as funcol
-
     from fxfuse.backend import FxfuseBackend
     from fxfuse.op.native_fallback import calls_by_reason, native_installed
 
-    def block(inp, residual, weight):
-        hidden = funcol.all_reduce(inp * 2, "sum", ctx.group.group_name) + residual
-        h = hidden.float()
-        return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(hidden.dtype), hidden
-
+    block = _block_on(ctx.group.group_name)
     device = torch.device("cuda", torch.cuda.current_device())
     installed_before = native_installed()
     fused = torch.compile(block, backend=FxfuseBackend(fuse_without_fast_kernel=True), fullgraph=True)
