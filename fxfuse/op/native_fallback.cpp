@@ -27,6 +27,7 @@
 
 #include <atomic>
 #include <deque>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -39,6 +40,12 @@ namespace {
 
 constexpr int64_t kAlignment = 16;
 constexpr int8_t kNoResidual = -1;
+
+// Folds `parts` into `seed`: the hash of a key made of a few integers.
+size_t combined_hash(size_t seed, std::initializer_list<int64_t> parts) {
+  for (int64_t part : parts) seed = seed * 1000003u ^ std::hash<int64_t>()(part);
+  return seed;
+}
 
 struct ShapeKey {
   std::string group;
@@ -56,39 +63,30 @@ struct ShapeKey {
 
 struct ShapeKeyHash {
   size_t operator()(const ShapeKey& key) const {
-    size_t h = std::hash<std::string>()(key.group);
-    for (int64_t part : {key.tokens, key.hidden, int64_t(key.x_dtype), int64_t(key.weight_dtype),
-                         int64_t(key.residual_dtype)}) {
-      h = h * 1000003u ^ std::hash<int64_t>()(part);
-    }
-    return h;
+    return combined_hash(std::hash<std::string>()(key.group), {key.tokens, key.hidden, key.x_dtype, key.weight_dtype,
+                                                               key.residual_dtype});
   }
 };
 
 // A compiled add-RMSNorm kernel (Triton's), launched with the driver's cuLaunchKernel: which device,
-// row width, residual or not and dtypes (x, weight, residual) it was compiled for.
+// row width and dtypes (x, weight, residual: kNoResidual for the kernel without one) it was compiled for.
 struct NormKey {
   int8_t device;
   int64_t hidden;
-  bool has_residual;
   int8_t x_dtype;
   int8_t weight_dtype;
   int8_t residual_dtype;
 
   bool operator==(const NormKey& other) const {
-    return device == other.device && hidden == other.hidden && has_residual == other.has_residual &&
-           x_dtype == other.x_dtype && weight_dtype == other.weight_dtype && residual_dtype == other.residual_dtype;
+    return device == other.device && hidden == other.hidden && x_dtype == other.x_dtype &&
+           weight_dtype == other.weight_dtype && residual_dtype == other.residual_dtype;
   }
 };
 
 struct NormKeyHash {
   size_t operator()(const NormKey& key) const {
-    size_t h = std::hash<int64_t>()(key.hidden);
-    for (int64_t part : {int64_t(key.device), int64_t(key.has_residual), int64_t(key.x_dtype),
-                         int64_t(key.weight_dtype), int64_t(key.residual_dtype)}) {
-      h = h * 1000003u ^ std::hash<int64_t>()(part);
-    }
-    return h;
+    return combined_hash(std::hash<int64_t>()(key.hidden), {key.device, key.x_dtype, key.weight_dtype,
+                                                            key.residual_dtype});
   }
 };
 
@@ -209,8 +207,8 @@ std::tuple<at::Tensor, at::Tensor> run_shape(const at::Tensor& x, const std::opt
   const at::Tensor weight_in = aligned(weight);
   std::optional<NormLaunch> launch;
   if (reduced.is_cuda() && launch_kernel_fn() != nullptr) {
-    launch = norm_launch_for({static_cast<int8_t>(reduced.get_device()), hidden, residual.has_value(), key.x_dtype,
-                              key.weight_dtype, key.residual_dtype});
+    launch = norm_launch_for(
+        {static_cast<int8_t>(reduced.get_device()), hidden, key.x_dtype, key.weight_dtype, key.residual_dtype});
   }
   if (launch.has_value()) {
     launch_norm(*launch, key.tokens, reduced, residual_in.value_or(reduced), weight_in, residual_out, normed, eps);
@@ -251,10 +249,10 @@ int64_t register_nccl(std::string group, int64_t tokens, int64_t hidden, at::Sca
   return static_cast<int64_t>(index);
 }
 
-void register_norm_launch(int64_t device, int64_t hidden, bool has_residual, at::ScalarType x_dtype,
-                          at::ScalarType weight_dtype, std::optional<at::ScalarType> residual_dtype, int64_t function,
-                          int64_t threads, int64_t shared_bytes) {
-  const NormKey key{static_cast<int8_t>(device), hidden, has_residual, dtype_code(x_dtype), dtype_code(weight_dtype),
+void register_norm_launch(int64_t device, int64_t hidden, at::ScalarType x_dtype, at::ScalarType weight_dtype,
+                          std::optional<at::ScalarType> residual_dtype, int64_t function, int64_t threads,
+                          int64_t shared_bytes) {
+  const NormKey key{static_cast<int8_t>(device), hidden, dtype_code(x_dtype), dtype_code(weight_dtype),
                     residual_dtype.has_value() ? dtype_code(*residual_dtype) : kNoResidual};
   std::lock_guard<std::mutex> lock(registry_mutex);
   norm_launches[key] = {reinterpret_cast<void*>(function), static_cast<unsigned>(threads),
@@ -306,7 +304,7 @@ TORCH_LIBRARY(fxfuse_native, m) {
   m.def("register_nccl(str group_name, int tokens, int hidden, ScalarType x_dtype, ScalarType weight_dtype, "
         "ScalarType? residual_dtype) -> int",
         &register_nccl);
-  m.def("register_norm_launch(int device, int hidden, bool has_residual, ScalarType x_dtype, ScalarType weight_dtype, "
+  m.def("register_norm_launch(int device, int hidden, ScalarType x_dtype, ScalarType weight_dtype, "
         "ScalarType? residual_dtype, int function, int threads, int shared_bytes) -> ()",
         &register_norm_launch);
   m.def("forget(str? group_name) -> ()", &forget);

@@ -76,7 +76,7 @@ def _register_norm_kernel(key: tuple, compiled, parameter_types: list[str]) -> N
         return
     launch = driver_launch(compiled, parameter_types)
     if launch is not None:
-        torch.ops.fxfuse_native.register_norm_launch(device, hidden, has_residual, x_dtype, weight_dtype,
+        torch.ops.fxfuse_native.register_norm_launch(device, hidden, x_dtype, weight_dtype,
                                                      residual_dtype if has_residual else None, *launch)
 
 
