@@ -5,7 +5,7 @@
 # tool returns at most 8 files), with env.txt and the pytest log also beside it.
 #   tests     pytest -m gpu $TESTS (default tests/gpu)                     -> pytest_gpu.log
 #   fallback  fxfuse bench fallback (one-rank NCCL: fallback vs Inductor)    -> fallback_*.json/.md
-#   model     fxfuse bench model --tp 1 --single-rank-collectives            -> model_*.json/.md
+#   model     fxfuse bench model --tp 1 --single-rank-collectives $MODEL_FLAGS -> model_*.json/.md
 #   kernel    fxfuse bench kernel --world-size 2 (ranks share the GPU: correctness only)
 # The first FlashInfer use JIT-compiles its kernels (trtllm_comm about 2 minutes, the PCIe all-reduce
 # about 15 s). NVLink multicast stays off in every process (DEVICE.md).
@@ -21,6 +21,7 @@ TESTS=${TESTS:-tests/gpu}
 TESTS_TIMEOUT_S=${TESTS_TIMEOUT_S:-420}
 BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-240}
 MODEL_LAYERS=${MODEL_LAYERS:-2}
+MODEL_FLAGS=${MODEL_FLAGS:-}  # e.g. --no-cuda-graphs
 mkdir -p "$OUT"
 status=0
 
@@ -48,7 +49,8 @@ if [[ " $PARTS " == *" fallback "* ]]; then
   timeout "$BENCH_TIMEOUT_S" python3 -m fxfuse.bench.fallback --out-dir "$OUT" 2>&1 | tee "$OUT/fallback.log" || status=1
 fi
 if [[ " $PARTS " == *" model "* ]]; then
-  timeout "$BENCH_TIMEOUT_S" python3 -m fxfuse --verbose bench model --tp 1 --single-rank-collectives --layers "$MODEL_LAYERS" \
+  # shellcheck disable=SC2086  # MODEL_FLAGS is a word list
+  timeout "$BENCH_TIMEOUT_S" python3 -m fxfuse --verbose bench model --tp 1 --single-rank-collectives --layers "$MODEL_LAYERS" $MODEL_FLAGS \
     --tokens 1,4,16 --batch 1,8 --backends inductor,fxfuse --repeats 15 --iters 5 --time-budget-s $((BENCH_TIMEOUT_S - 60)) \
     --out-dir "$OUT" 2>&1 | tee "$OUT/model.log" || status=1
 fi

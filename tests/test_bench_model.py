@@ -55,6 +55,21 @@ def test_full_width_layers_that_do_not_fit_in_memory_are_refused(monkeypatch, ca
     assert "the weights need at least 30.2 GB of memory" in capsys.readouterr().err
 
 
+def test_the_timing_says_whether_steps_were_replayed_or_uncaptured():
+    """CUDA graphs by default on cuda; `--no-cuda-graphs` times the uncaptured steps; cpu never captures."""
+    import dataclasses
+
+    from fxfuse.bench.model import _timing_text
+
+    cpu, _ = config_from_args(parse_args(["--device", "cpu"]))
+    assert cpu.cuda_graphs is False and _timing_text(cpu, cuda=False).startswith("CPU smoke run, wall clock")
+    assert parse_args(["--no-cuda-graphs"]).cuda_graphs is False and parse_args([]).cuda_graphs is True
+    replayed = dataclasses.replace(cpu, device="cuda", cuda_graphs=True)
+    assert _timing_text(replayed, cuda=True) == "CUDA-graph replay; median of 10 samples of 5 replays, slowest rank"
+    uncaptured = dataclasses.replace(replayed, cuda_graphs=False)
+    assert _timing_text(uncaptured, cuda=True).startswith("uncaptured compiled steps (no CUDA graphs: host cost included)")
+
+
 def test_kernel_bench_without_cuda_is_one_error_line(capsys):
     from fxfuse.bench.kernel import main as kernel_main
 
@@ -99,8 +114,9 @@ def test_a_failing_backend_is_reported_not_fatal():
     def broken_step(ids, positions):
         raise RuntimeError("lowering failed\nsecond line")
 
+    config, _ = config_from_args(parse_args(["--device", "cpu", "--tokens", "1"]))
     inputs = {1: (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))}
-    runner, error = _prepare_runner(Model(), broken_step, 1, (1,), inputs, torch.device("cpu"), {}, "inductor", None)
+    runner, error = _prepare_runner(Model(), broken_step, 1, config, inputs, torch.device("cpu"), {}, "inductor", None)
     assert runner is None and error == "RuntimeError: lowering failed"
 
 

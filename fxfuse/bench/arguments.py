@@ -16,7 +16,8 @@ from pathlib import Path
 from fxfuse.command_line import at_least, comma_subset, int_list
 from fxfuse.runner.options import BACKENDS
 
-MODEL_DESCRIPTION = "DeepSeek-V3 verify-step latency, eager vs Inductor vs fxfuse, under CUDA graphs."
+MODEL_DESCRIPTION = ("DeepSeek-V3 verify-step latency, eager vs Inductor vs fxfuse, under CUDA graphs (or uncaptured "
+                     "with --no-cuda-graphs).")
 KERNEL_DESCRIPTION = "The fused all-reduce + residual + RMSNorm op against unfused, per token count (CUDA)."
 GEMM_DESCRIPTION = ("The quantized GEMMs (FP8 block-scaled, INT4 experts) against bf16 at DeepSeek-V3 / Kimi-K2.5 "
                     "shapes, one GPU (CUDA).")
@@ -79,6 +80,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="at --tp 1, still issue every all-reduce on the one-rank group and let fxfuse fuse the sites "
                         "(its op then runs its NCCL fallback): the fallback's cost in the whole model, on one GPU "
                         "(default: off)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="on cuda, time the compiled steps uncaptured, as prefill and widths without a graph run: "
+                        "each step then pays its host cost (Python, dispatch, launches) too (default: CUDA graphs)")
     p.add_argument("--weights", choices=("bf16", "fp8", "int4"), default="bf16",
                    help="random weights kept in bf16, as FP8 blocks or as INT4 routed experts; FXFUSE_FP8_GEMM picks "
                         "the FP8 GEMM (default bf16)")

@@ -3,12 +3,14 @@
 The deepseek-v3 preset at full width with `--layers N` (random weights), tensor parallel over
 `--tp` GPUs (default: all visible ones; NCCL, one process per GPU). For each batch size and step
 width (tokens per sequence) every backend's step is captured in a CUDA graph over the static KV
-cache and replayed; the backends are timed side by side, in interleaved rounds, and each timing
-is the median over `--repeats` samples of `--iters` replays (slowest rank). Every backend's logits
-are checked against eager on the same inputs and cache (relative L2 error, loose tolerance). At tp > 1 it also times the collectives alone: the
-step's all-reduces ([batch * width, hidden] each, as many as the step does) captured in one graph,
-and reports their share of the unfused (Inductor) step. Results go to --out-dir as JSON, markdown
-and PNG (see `fxfuse.bench.model_report`).
+cache and replayed (`--no-cuda-graphs`: called uncaptured, so each step's host cost counts too, as
+in prefill and at widths without a graph); the backends are timed side by side, in interleaved
+rounds, and each timing is the median over `--repeats` samples of `--iters` calls (slowest rank).
+Every backend's logits are checked against eager on the same inputs and cache (relative L2 error,
+loose tolerance). At tp > 1 it also times the collectives alone: the step's all-reduces
+([batch * width, hidden] each, as many as the step does) captured in one graph, and reports their
+share of the unfused (Inductor) step. Results go to --out-dir as JSON, markdown and PNG (see
+`fxfuse.bench.model_report`).
 
 `--device cpu` is a smoke run of the same code (gloo ranks, no CUDA graphs, wall-clock timing) on
 the tiny preset by default: it checks the benchmark, not the speed. Options and their defaults:
@@ -64,6 +66,7 @@ class ModelBenchConfig:
     seed: int = 0
     single_rank_collectives: bool = False
     weights: str = "bf16"
+    cuda_graphs: bool = True  # on cuda: replay captured steps (else call them uncaptured)
 
 
 class BenchInputError(ValueError):
@@ -114,6 +117,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[ModelBenchConfig, int]:
         backends=tuple(b for b in BACKENDS if b in backends), dtype=args.dtype, context=context,
         repeats=args.repeats, iters=args.iters, device=args.device, time_budget_s=args.time_budget_s,
         single_rank_collectives=args.single_rank_collectives, weights=args.weights,
+        cuda_graphs=args.cuda_graphs and args.device == "cuda",
     )
     return bench, tp
 
@@ -227,7 +231,7 @@ def _bench_batch(ctx, config, model, compiled: dict[str, CompiledStep], batch: i
             problems[backend] = ("skipped", "time budget spent before this backend was captured")
             continue
         with progress.phase(f"batch {batch}: {backend}: compiling, capturing and checking widths {list(config.tokens)}"):
-            runner, error = _prepare_runner(model, step.step, batch, config.tokens, inputs, device, outputs, backend, progress)
+            runner, error = _prepare_runner(model, step.step, batch, config, inputs, device, outputs, backend, progress)
         if not _all_ranks_ok(ctx, error is None):
             problems[backend] = ("error", error or "failed on another rank")
             progress.note(f"batch {batch}: {backend}: FAILED: {problems[backend][1]}")
@@ -257,13 +261,14 @@ def _bench_batch(ctx, config, model, compiled: dict[str, CompiledStep], batch: i
     return rows
 
 
-def _prepare_runner(model, step, batch, widths, inputs, device, outputs, backend, progress) -> tuple[Callable | None, str | None]:
-    """The step as it is timed (CUDA graphs captured on CUDA, the plain step on CPU) and its first
-    call per width into `outputs`, each on a freshly zeroed KV cache so every backend sees the same
-    cache. Returns (runner, None), or (None, a one-line error) if compiling, capturing or running failed."""
+def _prepare_runner(model, step, batch, config, inputs, device, outputs, backend, progress) -> tuple[Callable | None, str | None]:
+    """The step as it is timed (CUDA graphs captured where `config.cuda_graphs`, else the plain step)
+    and its first call per width into `outputs`, each on a freshly zeroed KV cache so every backend
+    sees the same cache. Returns (runner, None), or (None, a one-line error) if compiling, capturing
+    or running failed."""
     try:
-        runner = _captured(step, batch, widths, device, progress) if device.type == "cuda" else step
-        for width in widths:
+        runner = _captured(step, batch, config.tokens, device, progress) if config.cuda_graphs else step
+        for width in config.tokens:
             model.reset_cache()
             outputs[(backend, width)] = runner(*inputs[width]).float().clone()
         return runner, None
@@ -379,6 +384,17 @@ def _p90(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
 
 
+def _timing_text(config: ModelBenchConfig, cuda: bool) -> str:
+    """How the steps were timed, for the report."""
+    samples = f"median of {config.repeats} samples of {config.iters}"
+    if config.cuda_graphs:
+        return f"CUDA-graph replay; {samples} replays, slowest rank"
+    if cuda:
+        return (f"uncaptured compiled steps (no CUDA graphs: host cost included); {samples} back-to-back calls "
+                "between CUDA events, slowest rank")
+    return f"CPU smoke run, wall clock; {samples} calls"
+
+
 def _report(config, world_size, device, rows, collective_rows, fusion: dict, fused_kernel_ready) -> dict:
     cuda = device.type == "cuda"
     gpu = torch.cuda.get_device_name(device) if cuda else f"cpu ({platform.processor() or platform.machine()})"
@@ -387,9 +403,8 @@ def _report(config, world_size, device, rows, collective_rows, fusion: dict, fus
         "world_size": world_size,
         "single_rank_collectives": config.single_rank_collectives,
         "device": device.type,
-        "cuda_graphs": cuda,
-        "timing": (f"CUDA-graph replay; median of {config.repeats} samples of {config.iters} replays, slowest rank"
-                   if cuda else f"CPU smoke run, wall clock; median of {config.repeats} samples of {config.iters} calls"),
+        "cuda_graphs": config.cuda_graphs,
+        "timing": _timing_text(config, cuda),
         "versions": package_versions(("flashinfer-python", "triton", "fxfuse")),
         "config": asdict(config),
         "allreduce_sites": fusion["allreduce_sites"],
