@@ -99,6 +99,7 @@ def test_cpu_smoke_run_writes_a_report(tmp_path):
     assert [(r["batch"], r["tokens"], r["backend"], r["status"]) for r in report["results"]] == [
         (2, 1, "eager", "ok"), (2, 2, "eager", "ok")]
     assert all(r["step_ms"] > 0 for r in report["results"])
+    assert all(0 < r["eager_sensitivity"] < 0.05 for r in report["results"])  # the perturbed eager step, per width
     assert [(c["tokens"], c["allreduces"]) for c in report["collectives"]] == [(1, 3), (2, 3)]  # 1 + 2 * layers
     assert [row["allreduce_share"] > 0 for row in report["summary"]] == [True, True]
     assert json_path.with_suffix(".md").exists()
@@ -152,6 +153,18 @@ def test_markdown_states_tp1_and_has_one_row_per_point():
     assert "tp=1: the step has no all-reduce" in text
     assert "| 1 | 4 | 12.000 | 5.000 | 4.500 | 0.900 | - | - |" in text
     assert "geometric mean 0.949" in text
+
+
+def test_markdown_states_the_check_and_its_bound():
+    report = fake_report(world_size=1)
+    assert "worst relative L2 error 3.00e-03 (tolerance 0.1)" in markdown(report)  # reports without sensitivity
+    report["sensitivity_factor"] = 3.0
+    for row, sensitivity in zip(report["results"], (0.02, 0.02, 0.02, 0.104, 0.104, 0.104)):
+        row["eager_sensitivity"] = sensitivity
+    report["results"][-1].update(status="failed", rel_err_vs_eager=0.5)
+    text = markdown(report)
+    assert "bound per point: max(0.1, 3 x the eager step's sensitivity" in text and "2.00e-02 to 1.04e-01)" in text
+    assert "FAILED checks: fxfuse batch 1 x 4 (err 5.00e-01)" in text
 
 
 def test_write_report_files(tmp_path):

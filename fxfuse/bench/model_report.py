@@ -1,10 +1,10 @@
 """Turn `fxfuse bench model` measurements into files: JSON, a markdown table and a PNG plot.
 
 CPU-only; no measurement happens here. A report dict holds `results` rows (batch, tokens,
-backend, status "ok" / "failed" / "skipped", step_ms, step_ms_p90, rel_err_vs_eager, note) and
-`collectives` rows (batch, tokens, allreduces, allreduce_ms). `summary_rows` derives, per (batch,
-tokens), the fxfuse/inductor ratio and the share of the unfused (Inductor) step spent in the
-all-reduces alone.
+backend, status "ok" / "failed" / "skipped", step_ms, step_ms_p90, rel_err_vs_eager,
+eager_sensitivity, note) and `collectives` rows (batch, tokens, allreduces, allreduce_ms).
+`summary_rows` derives, per (batch, tokens), the fxfuse/inductor ratio and the share of the unfused
+(Inductor) step spent in the all-reduces alone.
 """
 
 from __future__ import annotations
@@ -74,6 +74,16 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def _bound_text(report: dict[str, Any]) -> str:
+    """The check's bound in words: the tolerance, or a multiple of the eager step's own sensitivity."""
+    sensitivities = [r["eager_sensitivity"] for r in report["results"] if r.get("eager_sensitivity") is not None]
+    if not sensitivities or "sensitivity_factor" not in report:
+        return f"tolerance {report['tolerance']:g}"
+    return (f"bound per point: max({report['tolerance']:g}, {report['sensitivity_factor']:g} x the eager step's "
+            f"sensitivity, its logits' distance when the first layer's input is perturbed by half a bf16 rounding "
+            f"step: {min(sensitivities):.2e} to {max(sensitivities):.2e})")
+
+
 def markdown(report: dict[str, Any]) -> str:
     """A markdown summary: header facts, then one row per (batch, tokens per sequence)."""
     config = report["config"]
@@ -89,7 +99,7 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     if checked:
         lines.append(f"- check: logits vs eager on the same inputs, worst relative L2 error {max(checked):.2e} "
-                     f"(tolerance {report['tolerance']:.0e})")
+                     f"({_bound_text(report)})")
     summary = ratio_summary(rows)
     if summary is not None:
         lines.append(f"- fxfuse / inductor: geometric mean {summary['geomean']:.3f} over {summary['points']} points "
