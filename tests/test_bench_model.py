@@ -39,6 +39,21 @@ def test_bad_input_exits_2_with_a_message(argv, message, capsys):
     assert err.startswith("fxfuse: error: ") and message in err and err.count("\n") == 1
 
 
+def test_an_unknown_fp8_gemm_is_one_error_line(monkeypatch, capsys):
+    monkeypatch.setenv("FXFUSE_FP8_GEMM", "w4a4")
+    assert main(["--device", "cpu", "--weights", "fp8"]) == 2
+    assert capsys.readouterr().err == "fxfuse: error: FXFUSE_FP8_GEMM='w4a4'; choose one of: w8a16, w8a8\n"
+
+
+def test_the_fp8_gemm_is_recorded_and_named_in_the_title(monkeypatch):
+    monkeypatch.setenv("FXFUSE_FP8_GEMM", "w8a8")
+    config, _ = config_from_args(parse_args(["--device", "cpu", "--weights", "fp8"]))
+    assert (config.weights, config.fp8_gemm) == ("fp8", "w8a8")
+    report = fake_report()
+    report["config"].update(weights="fp8", fp8_gemm="w8a8")
+    assert markdown(report).startswith("# fxfuse bench model: NVIDIA H200, tp=2, deepseek-v3 (4 layers), bfloat16, fp8 w8a8 weights\n")
+
+
 def test_cpu_defaults_fit_the_machine():
     """On cpu the defaults are the tiny preset (full-width DeepSeek-V3 layers do not fit in memory),
     all its 4 layers and a KV cache of its 256 positions (1024 is the default only where it fits)."""

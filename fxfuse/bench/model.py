@@ -62,6 +62,7 @@ class ModelBenchConfig:
     seed: int = 0
     single_rank_collectives: bool = False
     weights: str = "bf16"
+    fp8_gemm: str = "w8a16"  # FP8 weights' GEMM (FXFUSE_FP8_GEMM), recorded in the report
     cuda_graphs: bool = True  # on cuda: replay captured steps (else call them uncaptured)
 
 
@@ -101,6 +102,12 @@ def config_from_args(args: argparse.Namespace) -> tuple[ModelBenchConfig, int]:
     if context > config.max_position_embeddings:
         raise BenchInputError(f"--context {context} exceeds max_position_embeddings {config.max_position_embeddings}")
     tp = _tensor_parallel_size(args)
+    from fxfuse.runner.quant_setup import bench_scheme
+
+    try:
+        fp8_gemm = bench_scheme(args.weights).fp8_gemm
+    except ValueError as exc:  # FXFUSE_FP8_GEMM names no GEMM
+        raise BenchInputError(str(exc)) from exc
     model_config = get_preset(preset, layers=layers)
     try:
         model_config.check_tensor_parallel(tp)
@@ -112,7 +119,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[ModelBenchConfig, int]:
         preset=preset, layers=layers, tokens=tuple(sorted(set(tokens))), batches=tuple(sorted(set(batches))),
         backends=tuple(b for b in BACKENDS if b in backends), dtype=args.dtype, context=context,
         repeats=args.repeats, iters=args.iters, device=args.device, time_budget_s=args.time_budget_s,
-        single_rank_collectives=args.single_rank_collectives, weights=args.weights,
+        single_rank_collectives=args.single_rank_collectives, weights=args.weights, fp8_gemm=fp8_gemm,
         cuda_graphs=args.cuda_graphs and args.device == "cuda",
     )
     return bench, tp
@@ -185,12 +192,12 @@ def bench_rank(ctx, config: ModelBenchConfig) -> dict | None:
     device = torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" else torch.device("cpu")
     dtype = getattr(torch, config.dtype)
     model_config = get_preset(config.preset, layers=config.layers)
-    from fxfuse.runner.quant_setup import bench_scheme
+    from fxfuse.models.quant.scheme import QuantScheme
 
     with progress.phase(f"building {config.preset} ({config.layers} layers, random {config.weights} weights) on {device}"):
         model = DeepseekV3ForCausalLM(
             model_config, ctx, dtype=dtype, device=device, max_batch=max(config.batches), max_seq_len=config.context,
-            quant=bench_scheme(config.weights),
+            quant=QuantScheme(config.weights, fp8_gemm=config.fp8_gemm),
         )
         init_random_shards(model, config.seed, ctx)
         model.eval()

@@ -89,8 +89,11 @@ def markdown(report: dict[str, Any]) -> str:
     config = report["config"]
     rows = summary_rows(report)
     checked = [r["rel_err_vs_eager"] for r in report["results"] if r["rel_err_vs_eager"] is not None]
+    weights = config.get("weights", "bf16")
+    if weights == "fp8":
+        weights += f" {config.get('fp8_gemm', 'w8a16')}"
     title = (f"fxfuse bench model: {report['gpu']}, tp={report['world_size']}, {config['preset']} "
-             f"({config['layers']} layers), {config['dtype']}")
+             f"({config['layers']} layers), {config['dtype']}" + ("" if weights == "bf16" else f", {weights} weights"))
     lines = header_lines(title, report) + [
         f"- timing: {report['timing']}; milliseconds per verify step (one forward of batch x tokens, "
         f"attending over a {config['context']}-position KV cache)",
