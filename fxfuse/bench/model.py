@@ -8,10 +8,10 @@ in prefill and at widths without a graph); the backends are timed side by side, 
 rounds, and each timing is the median over `--repeats` samples of `--iters` calls (slowest rank).
 Every backend's logits are checked against eager on the same inputs and cache (relative L2 error),
 within a bound scaled by the model's own sensitivity to rounding (`fxfuse.bench.sensitivity`: an
-eager step with its first layer's input perturbed by half a bf16 rounding step). At tp > 1 it also times the collectives alone: the step's all-reduces
-([batch * width, hidden] each, as many as the step does) captured in one graph, and reports their
-share of the unfused (Inductor) step. Results go to --out-dir as JSON, markdown and PNG (see
-`fxfuse.bench.model_report`).
+eager step with its first layer's input perturbed by half a bf16 rounding step). At tp > 1 it also
+times the collectives alone: the step's all-reduces ([batch * width, hidden] each, as many as the
+step does) captured in one graph, and reports their share of the unfused (Inductor) step. Results
+go to --out-dir as JSON, markdown and PNG (see `fxfuse.bench.model_report`).
 
 `--device cpu` is a smoke run of the same code (gloo ranks, no CUDA graphs, wall-clock timing) on
 the tiny preset by default: it checks the benchmark, not the speed. Options and their defaults:
