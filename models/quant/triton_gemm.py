@@ -8,10 +8,8 @@ weight is dequantized in the kernel:
   activations ("w8a16") the FP8 tile is widened to the activation dtype (exact) and the block scale
   multiplies the tile's partial product; with FP8 activations ("w8a8", per-token-group scales from
   `quantize_activations`) the FP8 x FP8 product is scaled by both scales;
-- INT4 [E, N, K / 8] int32 words with group scales [E, N, K / group] (BLOCK_K = group): each
-  nibble n is made the float 128 + n of the activation dtype by its bits (exact), the tile product
-  is taken in float32, 136 x the group's activation sum is subtracted (giving the product with the
-  values n - 8) and the group's scale multiplies it, as the FP8 block scale does.
+- INT4 [E, N, K / 8] int32 words with group scales [E, N, K / group]: nibbles are unpacked and
+  multiplied by their group's scale in float32, rounded to the activation dtype, then multiplied.
 Accumulation is in float32. `expert_tiles` builds the tile table with fixed shapes from the rows per
 expert (no host synchronization), so the launch can be captured in a CUDA graph.
 
@@ -38,9 +36,7 @@ SMALL_BLOCK_M, LARGE_BLOCK_M, SMALL_M_ROWS = 16, 64, 16
 #: and scripts/sweep_quant_gemm.py on an H200: within 1.1x of the best of 48 tile shapes, except
 #: 256-row FP8 x FP8 at 1.33x).
 NARROW_BLOCK_N, WIDE_BLOCK_N, WIDE_N_ROWS = 64, 128, 128
-#: INT4 nibbles as floats of the activation dtype: (bits of 128.0, shift putting a nibble n on the
-#: mantissa bits worth 1 at 128), so that `bits | n << shift` is the float 128 + n, exactly.
-INT4_AS_FLOAT = {torch.bfloat16: (0x4300, 0), torch.float16: (0x5800, 3), torch.float32: (0x43000000, 16)}
+INT4_BLOCK_K = 64
 #: Split-K targets: programs per SM, and the most splits of one tile's K loop.
 PROGRAMS_PER_PROCESSOR, MAX_SPLIT_K = 8, 16
 
@@ -60,7 +56,6 @@ def _kernel(interpret: str | None):
         stride_se, stride_sn, stride_sk,
         stride_om, stride_on, stride_split, split_k, dense_rows,
         DENSE: tl.constexpr, WEIGHT_INT4: tl.constexpr, ACT_FP8: tl.constexpr,
-        HALF_ACT: tl.constexpr, FLOAT_128_BITS: tl.constexpr, NIBBLE_SHIFT: tl.constexpr, INT4_DOT_PRECISION: tl.constexpr,
         SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
@@ -96,22 +91,18 @@ def _kernel(interpret: str | None):
                             mask=row_mask[:, None] & k_mask[None, :], other=0.0)
                 w_mask = n_mask[:, None] & k_mask[None, :]
                 if WEIGHT_INT4:
-                    # one group (BLOCK_K = group): [BLOCK_N, BLOCK_K / 8] packed words and [BLOCK_N] scales. A
-                    # nibble n (the value n - 8) becomes the float 128 + n by setting bits (no int-to-float
-                    # conversion: 1 AND, 1 OR per value); the tile product then carries 136 * sum(a) too,
-                    # which is taken off in float32 before the group's scale multiplies it.
+                    # one [BLOCK_N, BLOCK_K / 8] tile of packed words and one [BLOCK_N, BLOCK_K / group] tile of
+                    # scales (contiguous loads), unpacked and scaled in registers
                     offs_word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
                     words = tl.load(w_base + offs_n[:, None] * stride_wn + offs_word[None, :] * stride_wk,
                                     mask=n_mask[:, None] & (offs_word[None, :] < tl.cdiv(K, 8)), other=0)
                     nibbles = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
-                    bits = tl.reshape((nibbles << NIBBLE_SHIFT) | FLOAT_128_BITS, (BLOCK_N, BLOCK_K))
-                    if HALF_ACT:
-                        bits = bits.to(tl.int16)
-                    w = bits.to(a.dtype, bitcast=True)
-                    scale = tl.load(s_base + offs_n * stride_sn + (k0 // SCALE_BLOCK_K) * stride_sk, mask=n_mask, other=0.0)
-                    row_sum = tl.sum(a.to(tl.float32), axis=1)
-                    product = tl.dot(a, tl.trans(w), input_precision=INT4_DOT_PRECISION)
-                    acc += (product - 136.0 * row_sum[:, None]) * scale.to(tl.float32)[None, :]
+                    offs_group = k0 // SCALE_BLOCK_K + tl.arange(0, BLOCK_K // SCALE_BLOCK_K)
+                    scale = tl.load(s_base + offs_n[:, None] * stride_sn + offs_group[None, :] * stride_sk,
+                                    mask=n_mask[:, None] & (offs_group[None, :] < tl.cdiv(K, SCALE_BLOCK_K)), other=0.0)
+                    values = tl.reshape((nibbles - 8).to(tl.float32), (BLOCK_N, BLOCK_K // SCALE_BLOCK_K, SCALE_BLOCK_K))
+                    w = tl.reshape(values * scale.to(tl.float32)[:, :, None], (BLOCK_N, BLOCK_K)).to(a.dtype)
+                    acc += tl.dot(a, tl.trans(w))
                 else:
                     w = tl.load(w_base + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk, mask=w_mask, other=0.0)
                     scale = tl.load(s_base + (offs_n // SCALE_BLOCK_N) * stride_sn + (k0 // SCALE_BLOCK_K) * stride_sk,
@@ -202,12 +193,9 @@ def quant_matmul(
     n = weight.shape[1]
     k = a.shape[1]
     act_fp8 = a_scale is not None
-    if int4 and (scale_block[1] & (scale_block[1] - 1) or scale_block[1] < 16):
-        raise ValueError(f"the INT4 GPU kernel needs a power-of-two group size of at least 16, got {scale_block[1]}")
-    if int4 and a.dtype not in INT4_AS_FLOAT:
-        raise ValueError(f"INT4 weights multiply bf16, fp16 or fp32 activations, got {a.dtype}")
-    block_k = scale_block[1]
-    float_128_bits, nibble_shift = INT4_AS_FLOAT.get(a.dtype, (0, 0))
+    if int4 and (scale_block[1] & (scale_block[1] - 1) or scale_block[1] < 8):
+        raise ValueError(f"the INT4 GPU kernel needs a power-of-two group size of at least 8, got {scale_block[1]}")
+    block_k = max(INT4_BLOCK_K, scale_block[1]) if int4 else scale_block[1]
     a_scale_arg = a_scale if act_fp8 else weight_scale
     a_scale_strides = a_scale.stride() if act_fp8 else (0, 0)
     n_blocks = -(-n // block_n)
@@ -230,9 +218,6 @@ def quant_matmul(
         target.stride(-2), target.stride(-1),
         target.stride(0) if split_k > 1 else 0, split_k, out.shape[0],
         DENSE=dense, WEIGHT_INT4=int4, ACT_FP8=act_fp8,
-        HALF_ACT=a.element_size() == 2, FLOAT_128_BITS=float_128_bits, NIBBLE_SHIFT=nibble_shift,
-        # float32 activations need an exact product: TF32's rounding of a would not cancel with its row sum
-        INT4_DOT_PRECISION="tf32" if a.element_size() == 2 else "ieee",
         SCALE_BLOCK_N=scale_block[0], SCALE_BLOCK_K=scale_block[1],
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=num_warps, num_stages=num_stages,
