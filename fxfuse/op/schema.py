@@ -54,8 +54,16 @@ OVERLOADS = {
     "donate_x": "(Tensor(a!) x, Tensor? residual, Tensor weight, float eps, str group_name)",
     "donate_x_tensor_eps": "(Tensor(a!) x, Tensor? residual, Tensor weight, Tensor eps, str group_name)",
 }
+
+
+def _overload_name(overload: str) -> str:
+    """The op's name with `overload` ("allreduce_residual_rmsnorm[.overload]", no namespace)."""
+    name = OP_NAME.removeprefix("fxfuse::")
+    return name if overload == "default" else f"{name}.{overload}"
+
+
 for _overload, _arguments in OVERLOADS.items():
-    torch.library.define(OP_NAME if _overload == "default" else f"{OP_NAME}.{_overload}", f"{_arguments} -> {_RESULTS}")
+    torch.library.define(f"fxfuse::{_overload_name(_overload)}", f"{_arguments} -> {_RESULTS}")
 
 
 #: Internal ops of the CUDA path (see `fxfuse.op.native_fallback`): the Python kernel that decides
@@ -128,10 +136,6 @@ _KERNELS = torch.library.Library("fxfuse", "IMPL")
 _python_cuda_kernels: list[torch.library.Library] = []
 
 
-def _overload_name(overload: str) -> str:
-    return "allreduce_residual_rmsnorm" if overload == "default" else f"allreduce_residual_rmsnorm.{overload}"
-
-
 def _register_cpu_and_fake(overload: str) -> None:
     donated = overload.startswith("donate_x")
 
@@ -140,7 +144,7 @@ def _register_cpu_and_fake(overload: str) -> None:
 
     cpu.__doc__ = f"CPU reference kernel of `{OP_NAME}.{overload}`."
     _KERNELS.impl(_overload_name(overload), cpu, "CPU")
-    torch.library.register_fake(OP_NAME if overload == "default" else f"{OP_NAME}.{overload}", _fake_kernel)
+    torch.library.register_fake(f"fxfuse::{_overload_name(overload)}", _fake_kernel)
 
 
 def _register_python_cuda_kernels() -> None:
