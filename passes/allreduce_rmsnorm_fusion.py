@@ -20,8 +20,12 @@ float eps a graph input; the fused call is then the op's `tensor_eps` overload, 
 runs. The patterns are traced once per process group name found in the graph, so the group name is
 part of the pattern. `extra_check` refuses sites the fused op cannot reproduce (`site_refusal` says
 why): dtypes that differ, a residual or weight that is not a same-shape tensor / a hidden-size
-vector, an eps tensor that is not a CPU scalar. `fxfuse.passes.unfused_reasons.explain_unfused` says
-why an all-reduce left in a rewritten graph was not fused.
+vector, an eps tensor that is not a CPU scalar; a matched node with a keyword argument the patterns do
+not name (an `alpha` on an add, a `dtype` on the mean: `keyword_refusal`); a residual, weight or eps
+computed from the site's own values, or after the all-reduce from something that cannot move before it
+(`collective_placement.late_input_refusal`: each fused op is issued where its all-reduce was).
+`fxfuse.passes.unfused_reasons.explain_unfused` says why an all-reduce left in a rewritten graph was not
+fused.
 """
 
 from __future__ import annotations
@@ -39,10 +43,13 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from fxfuse.op.capability import fused_kernel_unavailable
 from fxfuse.op.schema import FUSED_OPS, allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps
 from fxfuse.passes.canonical_form import canonicalize
+from fxfuse.passes.collective_placement import OriginalPlaces, late_input_refusal
 from fxfuse.passes.config import ALLREDUCE_RESIDUAL_RMSNORM, ALLREDUCE_RMSNORM, PassConfig
 from fxfuse.passes.pattern_support import (
+    ALL_REDUCE,
     allreduce_sum,
     example_tensor,
+    keyword_refusal,
     matched_tensor,
     same_shape,
     sum_allreduce_groups,
@@ -50,6 +57,9 @@ from fxfuse.passes.pattern_support import (
 )
 
 FUSIBLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+#: The fused op's inputs besides the all-reduced value, by what a reason calls them: pattern argument names.
+INPUT_ROLES = {"residual": "residual", "RMSNorm weight": "weight", "eps": "eps"}
 
 # Traced in place of the real eps so the pattern binds each site's own eps as an argument. It must
 # survive a round trip through float32 unchanged (on CPU, F.rms_norm rounds eps to float32)
@@ -149,7 +159,9 @@ def kernel_refusal(x: torch.Tensor, group_name: str) -> str | None:
 
 def fusible_site(match: Match, with_residual: bool, kernel_group: str | None = None) -> bool:
     """extra_check: the matched site is one the fused op reproduces (`site_refusal` is None) and, when
-    `kernel_group` names the site's group, one where a fused all-reduce kernel can run (`kernel_refusal`).
+    `kernel_group` names the site's group, one where a fused all-reduce kernel can run (`kernel_refusal`);
+    no matched node carries a keyword argument that changes its value (`keyword_refusal`: the matcher
+    ignores those), and the fused op can be issued where the all-reduce was (`late_input_refusal`).
 
     `with_residual` says which pattern matched (1: True, 2: False): it is not read from the match,
     whose arguments can be pattern literals on some torch versions (a scalar "residual" among them).
@@ -158,6 +170,12 @@ def fusible_site(match: Match, with_residual: bool, kernel_group: str | None = N
     refusal = site_refusal(x, matched_tensor(match, "weight"), _matched_eps(match), matched_tensor(match, "residual"), with_residual)
     if refusal is None and kernel_group is not None:
         refusal = kernel_refusal(x, kernel_group)
+    if refusal is None:
+        refusal = keyword_refusal(match.nodes)
+    if refusal is None:
+        (all_reduce,) = [node for node in match.nodes if node.target is ALL_REDUCE]
+        inputs = {role: match.kwargs.get(name) for role, name in INPUT_ROLES.items()}
+        refusal = late_input_refusal(all_reduce, set(match.nodes), inputs)
     return refusal is None
 
 
@@ -241,18 +259,23 @@ def enabled_patterns(config: PassConfig) -> frozenset[str]:
 def run(graph: torch.fx.Graph, config: PassConfig) -> int:
     """Replace every enabled pattern-1/2 site in `graph` (in place); returns how many were fused.
 
-    The graph is canonicalized first (`canonical_form.canonicalize`). A fused call goes where the
-    site's residual add (or all-reduce) was, which can come before the node computing an eps tensor; the graph is then re-sorted topologically, keeping the order of
-    everything else (as Inductor does after its post-grad passes), and unused reads of fused-op
-    outputs are dropped.
+    The graph is canonicalized first (`canonical_form.canonicalize`). Each fused call is issued where
+    the site's all-reduce was (`collective_placement.OriginalPlaces`; an eps or residual computed after
+    the all-reduce from earlier values moves up with it), so no collective runs later or in another
+    order than written. The graph is then re-sorted topologically (a no-op after that placement, kept
+    as Inductor does after its post-grad passes), and unused reads of fused-op outputs are dropped.
     """
     patterns = enabled_patterns(config)
     if not patterns:
         return 0
     canonicalize(graph)
+    places = OriginalPlaces(graph)
     fused = sum(fusion_patterns(group, patterns, config.fuse_without_fast_kernel).apply(graph)
                 for group in sum_allreduce_groups(graph))
     if fused:
+        for op in FUSED_OPS:
+            for node in list(graph.find_nodes(op="call_function", target=op)):
+                places.restore(graph, node, [node.args[0]], node.args[4])
         stable_topological_sort(graph)
         _erase_unused_outputs(graph)
     return fused

@@ -105,9 +105,14 @@ def keeps_last_dim(reshape: torch.fx.Node) -> bool:
     )
 
 
+def scales(add: torch.fx.Node) -> bool:
+    """Whether an add carries an `alpha` other than 1 (`a + alpha * b`: its operands do not commute)."""
+    return add.kwargs.get("alpha", 1) != 1
+
+
 def is_same_shape_add(node) -> bool:
     """`aten.add.Tensor(a, b)` of two tensors of the result's shape (no scalar, broadcast or alpha)."""
-    if not is_call(node, ADD) or node.kwargs.get("alpha", 1) != 1 or len(node.args) != 2:
+    if not is_call(node, ADD) or scales(node) or len(node.args) != 2:
         return False
     a, b, out = val(node.args[0]), val(node.args[1]), val(node)
     return a is not None and b is not None and out is not None and same_shape(a, out) and same_shape(b, out)
@@ -278,22 +283,32 @@ class _Rewriter:
             stable_topological_sort(self.graph)
 
     def _reshape_before_all_reduce(self, reshape: torch.fx.Node, wait: torch.fx.Node) -> bool:
-        """`reshape(wait(all_reduce(x)))` -> `wait(all_reduce(reshape(x)))`, when nothing else reads them."""
+        """`reshape(wait(all_reduce(x)))` -> `wait(all_reduce(reshape(x)))`, when nothing else reads them.
+
+        The new all-reduce is issued where the old one was and waited for where the old wait was (never
+        later, never past another collective); so the reshape's size arguments must be known there.
+        """
         all_reduce = wait.args[0]
         if len(wait.users) != 1 or len(all_reduce.users) != 1:
             return False
         x, rest = all_reduce.args[0], reshape.args[1:]
+        if any(not node < all_reduce for node in _flatten(rest) if isinstance(node, torch.fx.Node)):
+            return False
         made = self.emit_all(
             [
                 (reshape.target, lambda made: (x, *rest), x),
                 (ALL_REDUCE, lambda made: (made[0], *all_reduce.args[1:]), all_reduce),
-                (WAIT_TENSOR, lambda made: (made[1],), wait),
             ],
-            before=reshape,
+            before=all_reduce,
         )
         if made is None:
             return False
-        reshape.replace_all_uses_with(made[-1])
+        new_wait = self.emit_all([(WAIT_TENSOR, lambda _: (made[1],), wait)], before=wait)
+        if new_wait is None:
+            for unused in reversed(made):
+                self.graph.erase_node(unused)
+            return False
+        reshape.replace_all_uses_with(new_wait[0])
         for old in (reshape, wait, all_reduce):
             self.graph.erase_node(old)
         self.changes += 1
@@ -351,14 +366,18 @@ class _Rewriter:
 
     def order_adds(self, adds: Iterable[torch.fx.Node], reduced: set[torch.fx.Node]) -> None:
         """`other + reduced` -> `reduced + other` (addition commutes exactly); of two reduced operands,
-        the one read by nothing else comes first (the one a fused op can consume)."""
+        the one read by nothing else comes first (the one a fused op can consume), and of two such, the
+        later one (its fused op, issued where its all-reduce was, can read the earlier as its residual).
+        An add with `alpha` (which scales its second operand only) keeps its order."""
 
         def rank(operand) -> tuple[bool, bool]:
             return operand in reduced, operand in reduced and len(operand.users) == 1
 
         for add in adds:
-            if rank(add.args[1]) > rank(add.args[0]):
-                add.args = (add.args[1], add.args[0])
+            first, second = add.args[:2]
+            if not scales(add) and (rank(second) > rank(first) or (rank(second) == rank(first) == (True, True)
+                                                                    and first < second)):
+                add.args = (second, first)
                 self.changes += 1
 
     def canonicalize_norm_of(self, hidden: torch.fx.Node) -> None:
@@ -387,7 +406,7 @@ class _Rewriter:
                 for user in list(mean.users):
                     if is_call(user, ADD_SCALAR) and user.args[0] is mean:  # F.rms_norm's functionalized `add_`
                         self._retarget(user, ADD, user.args)
-                    if is_call(user, ADD) and user.args[1] is mean and user.args[0] is not mean:
+                    if is_call(user, ADD) and user.args[1] is mean and user.args[0] is not mean and not scales(user):
                         user.args = (mean, user.args[0])
                         self.changes += 1
                 for add_eps in users_calling(mean, ADD, mean):
@@ -505,7 +524,7 @@ def canonicalize(graph: torch.fx.Graph) -> int:
     rewriter = _Rewriter(graph)
     rewriter.hoist_reshapes()
     reduced, adds = chain_values(graph)
-    rewriter.order_adds(adds, reduced)
+    rewriter.order_adds([node for node in graph.nodes if node in reduced and is_call(node, ADD)] + adds, reduced)
     hidden_values = reduced | set(adds)
     return rewriter.changes + canonicalize_norms(graph, [node for node in graph.nodes if node in hidden_values])
 

@@ -3,9 +3,15 @@
 Functional collectives and in-place `torch.distributed.all_reduce` (which dynamo remaps to them)
 both reach the post-grad graph as `_c10d_functional.all_reduce(x, "sum", group_name)` followed by
 `_c10d_functional.wait_tensor`. Pattern functions call `allreduce_sum` to spell exactly that.
+
+torch's pattern matcher compares only the keyword arguments a traced pattern names, and the patterns
+name none: `keyword_refusal` is the check that a matched node's keyword arguments (`alpha` of an add,
+`dtype` of a mean) do not change what it computes.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 import torch.distributed._functional_collectives  # noqa: F401 - registers the _c10d_functional ops
@@ -69,3 +75,40 @@ def matched_tensor(match: Match, name: str) -> torch.Tensor | None:
 def same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True when the (possibly symbolic) shapes of `a` and `b` are provably equal."""
     return a.dim() == b.dim() and all(statically_known_true(p == q) for p, q in zip(a.shape, b.shape))
+
+
+def op_name(node: torch.fx.Node) -> str:
+    """The short name of the op a node calls (`add` for `aten.add.Tensor`)."""
+    target = node.target
+    return getattr(getattr(target, "overloadpacket", None), "__name__", None) or getattr(target, "__name__", str(target))
+
+
+def keyword_refusal(nodes: Iterable[torch.fx.Node]) -> str | None:
+    """Why nodes of a matched site cannot be rewritten as the traced patterns spell them: the first
+    keyword argument that changes what its node computes (`changing_keyword`), as a sentence; None if
+    there is none."""
+    found = changing_keyword(nodes)
+    if found is None:
+        return None
+    node, key, value = found
+    return f"`{node.name}` ({op_name(node)}) is called with {key}={value}, which the fused op does not reproduce"
+
+
+def changing_keyword(nodes: Iterable[torch.fx.Node]) -> tuple[torch.fx.Node, str, object] | None:
+    """(node, name, value) of the first keyword argument of `nodes` that changes what its node computes
+    (an add with `alpha` other than 1, a mean with a `dtype` other than its input's), or None."""
+    for node in nodes:
+        for key, value in node.kwargs.items():
+            if node.op == "call_function" and not _keeps_the_default(node, key, value):
+                return node, key, value
+    return None
+
+
+def _keeps_the_default(node: torch.fx.Node, key: str, value) -> bool:
+    """Whether `node`'s keyword argument `key=value` computes what leaving it out computes."""
+    schema = getattr(node.target, "_schema", None)
+    argument = next((a for a in schema.arguments if a.name == key), None) if schema is not None else None
+    if argument is not None and argument.has_default_value() and argument.default_value == value:
+        return True
+    source = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    return key == "dtype" and isinstance(source, torch.Tensor) and source.dtype == value

@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from fxfuse.op.schema import FUSED_OPS
-from fxfuse.passes.allreduce_rmsnorm_fusion import enabled_patterns, kernel_refusal, site_refusal
+from fxfuse.passes.allreduce_rmsnorm_fusion import INPUT_ROLES, enabled_patterns, kernel_refusal, site_refusal
 from fxfuse.passes.canonical_form import (
     ADD,
     CAST,
@@ -32,8 +32,9 @@ from fxfuse.passes.canonical_form import (
     starts_norm,
     val,
 )
+from fxfuse.passes.collective_placement import collective_between, late_input_refusal
 from fxfuse.passes.config import ALLREDUCE_RESIDUAL_RMSNORM, ALLREDUCE_RMSNORM, MERGE_ALLREDUCE, PassConfig
-from fxfuse.passes.pattern_support import WAIT_TENSOR
+from fxfuse.passes.pattern_support import WAIT_TENSOR, changing_keyword, keyword_refusal, op_name
 
 REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 
@@ -88,6 +89,11 @@ def _fusion_blocker(all_reduce, reduced, norm: RMSNormNodes, residual, config: P
     refusal = site_refusal(val(all_reduce.args[0]), val(norm.weight), eps, val(residual), with_residual)
     if refusal is None and not config.fuse_without_fast_kernel:
         refusal = kernel_refusal(val(all_reduce.args[0]), all_reduce.args[2])
+    site = {all_reduce, reduced, norm.hidden, norm.output, *norm.inner}
+    if refusal is None:
+        refusal = keyword_refusal(sorted(site))
+    if refusal is None:
+        refusal = late_input_refusal(all_reduce, site, dict(zip(INPUT_ROLES, (residual, norm.weight, norm.eps))))
     if refusal is not None:
         return refusal
     if with_residual and len(reduced.users) > 1:
@@ -115,13 +121,20 @@ def _unmerged_reason(reduced, other_wait, add, config: PassConfig) -> str:
         return f"it is added (`{add.name}`) to an all-reduce of {_name(b.dtype)}, not {_name(a.dtype)}: no merge"
     if a is not None and b is not None and list(a.shape) != list(b.shape):
         return f"it is added (`{add.name}`) to an all-reduce of shape {list(b.shape)}, not {list(a.shape)}: no merge"
+    keyword = changing_keyword([add])
+    if keyword is not None:
+        return f"it is added to another all-reduce by `{add.name}`, which is called with {keyword[1]}={keyword[2]}: no merge"
+    between = collective_between(mine, theirs)
+    if between is not None:
+        return (f"it is added (`{add.name}`) to another all-reduce, and `{between.name}` is issued between the two: "
+                "merging would change the order of collectives")
     return f"it is added (`{add.name}`) to another all-reduce whose result is also used elsewhere: no merge"
 
 
 def _outside_use_reason(node: torch.fx.Node, user: torch.fx.Node) -> str:
-    what = f"`{node.name}` ({_op_name(node)}) inside the all-reduce -> RMSNorm chain"
+    what = f"`{node.name}` ({op_name(node)}) inside the all-reduce -> RMSNorm chain"
     if user.op != "output":
-        return f"{what} is also used by `{user.name}` ({_op_name(user)})"
+        return f"{what} is also used by `{user.name}` ({op_name(user)})"
     training = _compiling_a_training_forward()
     if training:
         return f"{what} is saved for backward (grad is enabled): {NO_GRAD_ADVICE}"
@@ -213,11 +226,6 @@ def in_another_graph(reason: str, normed: list[tuple[int, str]]) -> str:
     return reason.removesuffix(WHOLE_STACK_ADVICE) + (
         f"graph {graph} applies an RMSNorm to its input `{name}`, so the norm is in another graph (or a later "
         "run of this one, as with torch.compile on each decoder block): compile the whole stack as one graph")
-
-
-def _op_name(node: torch.fx.Node) -> str:
-    target = node.target
-    return getattr(getattr(target, "overloadpacket", None), "__name__", None) or getattr(target, "__name__", str(target))
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -529,7 +529,8 @@ def test_reduced_value_cast_before_the_residual_add(group):
 
 
 def test_all_reduces_of_two_groups_added(group):
-    """`ar_g(x) + ar_other(y)` cannot merge; the first fuses with the second as its residual."""
+    """`ar_g(x) + ar_other(y)` cannot merge; the second fuses with the first as its residual (fusing the
+    first would issue its all-reduce after the second's: the order of collectives would change)."""
     other = dist.new_group([0, 1])
 
     def two_group_sum_norm(x, y, w):
@@ -541,11 +542,11 @@ def test_all_reduces_of_two_groups_added(group):
     assert allreduce_rmsnorm_fusion.run(gm.graph, PassConfig()) == 1
     (site,) = fused_sites(gm)
     (left,) = gm.graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.all_reduce.default)
-    assert (site.args[4], left.args[2]) == (group.group_name, other.group_name)
+    assert (site.args[4], left.args[2]) == (other.group_name, group.group_name)
     assert site.args[1].args[0] is left
     assert explain_unfused(left, PassConfig()) == (
         f"it is the residual of the fused site `{site.name}`, which reduces over another group "
-        f"({group.group_name!r}): only sums over one group merge")
+        f"({other.group_name!r}): only sums over one group merge")
 
 
 def test_reduce_scatter_is_not_fused(group):

@@ -1,0 +1,126 @@
+"""Checks that the fxfuse passes keep the order and place of every collective in a graph.
+
+`CollectiveOrder.record(graph)` notes, before the passes run, the graph's nodes in order and its
+collectives (all-reduce, reduce-scatter, all-gather, ...), each keyed by its kind, reduce op and group;
+a fused op counts as the summed all-reduce over its group that it issues. `check(graph)` then asserts,
+on the rewritten graph:
+
+- each collective stands for original ones: itself if it was there before; else those whose input
+  its input is built from by nodes the passes made (`x` for a fused op of `x` or `view(x)`, `a` and
+  `b` for the all-reduce of `a + b` that merged `all_reduce(a) + all_reduce(b)`), of its own key;
+- listing, for each collective in graph order, the originals it stands for gives the old sequence
+  exactly (none lost, none twice, the order kept);
+- none is issued later than its (last) original: every node now before it that came after that
+  original is one it needs (its input or computed for it: a fused op waits for its residual).
+
+`OrderCheckedBackend` is an `FxfuseBackend` that runs the check on every graph it rewrites and keeps the
+rewritten graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from fxfuse.backend import FxfuseBackend
+from fxfuse.op.schema import FUSED_OPS
+
+WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+ALL_REDUCE_KEY = "_c10d_functional.all_reduce"
+
+
+def collective_key(node: torch.fx.Node) -> tuple | None:
+    """(kind, string arguments) of a collective node (None for any other node); a fused op is keyed as
+    the summed all-reduce over its group."""
+    if node.op != "call_function":
+        return None
+    if node.target in FUSED_OPS:
+        return (ALL_REDUCE_KEY, ("sum", node.args[4]))
+    if getattr(node.target, "namespace", None) != "_c10d_functional" or node.target is WAIT_TENSOR:
+        return None
+    name = node.target._schema.name.split("::")[-1].removesuffix("_")
+    return (f"_c10d_functional.{name}", tuple(arg for arg in node.args if isinstance(arg, str)))
+
+
+def collectives(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The collective nodes of `graph`, in graph order."""
+    return [node for node in graph.nodes if collective_key(node) is not None]
+
+
+def ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """Every node `node` is computed from."""
+    seen, stack = set(), list(node.all_input_nodes)
+    while stack:
+        current = stack.pop()
+        if current not in seen:
+            seen.add(current)
+            stack.extend(current.all_input_nodes)
+    return seen
+
+
+class CollectiveOrder:
+    """The order of a graph's nodes and collectives before the passes (see the module docstring)."""
+
+    def __init__(self, graph: torch.fx.Graph) -> None:
+        self.position = {node: index for index, node in enumerate(graph.nodes)}
+        self.collectives = collectives(graph)
+        self.inputs = {node: node.args[0] for node in self.collectives}
+        self.keys = {node: collective_key(node) for node in self.collectives}
+        self.text = str(graph)
+
+    @classmethod
+    def record(cls, graph: torch.fx.Graph) -> CollectiveOrder:
+        """Note `graph`'s order before the passes change it."""
+        return cls(graph)
+
+    def check(self, graph: torch.fx.Graph) -> None:
+        """Assert the rewritten `graph` issues the recorded collectives in order, and none later."""
+        stands_for = {node: self._originals(node) for node in collectives(graph)}
+        listed = [old for node in stands_for for old in stands_for[node]]
+        assert listed == self.collectives, self._explain(
+            graph, "the collectives now stand for " + ", ".join(
+                f"`{node.name}` -> {[old.name for old in olds]}" for node, olds in stands_for.items())
+            + f"; before: {[old.name for old in self.collectives]}")
+        now = {node: index for index, node in enumerate(graph.nodes)}
+        for node, olds in stands_for.items():
+            needed = ancestors(node)
+            moved_past = [other.name for other in graph.nodes if other in self.position and now[other] < now[node]
+                          and self.position[other] > self.position[olds[-1]] and other not in needed]
+            assert not moved_past, self._explain(
+                graph, f"`{node.name}` (was `{olds[-1].name}`) is now issued after {moved_past}, which came "
+                "after it and which it does not need")
+
+    def _originals(self, node: torch.fx.Node) -> list[torch.fx.Node]:
+        """The recorded collectives `node` stands for, in their old order."""
+        if node in self.position:
+            return [node]
+        frontier, stack, seen = set(), [node.args[0]], set()
+        while stack:  # the old nodes that the passes' new nodes build node's input from
+            value = stack.pop()
+            if not isinstance(value, torch.fx.Node) or value in seen:
+                continue
+            seen.add(value)
+            if value in self.position:
+                frontier.add(value)
+            else:
+                stack.extend(value.all_input_nodes)
+        key = collective_key(node)
+        return [old for old in self.collectives if self.inputs[old] in frontier and self.keys[old] == key]
+
+    def _explain(self, graph: torch.fx.Graph, what: str) -> str:
+        return f"{what}\nbefore:{self.text}\nafter:{graph}"
+
+
+class OrderCheckedBackend(FxfuseBackend):
+    """An `FxfuseBackend` that checks every graph it rewrites with `CollectiveOrder`; `graphs` holds each
+    rewritten GraphModule (under Inductor, before the donation pass)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def rewrite(self, graph: torch.fx.Graph) -> None:
+        order = CollectiveOrder.record(graph)
+        super().rewrite(graph)
+        order.check(graph)
+        self.graphs.append(graph.owning_module)
