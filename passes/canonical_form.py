@@ -8,8 +8,13 @@ into one form; the traced patterns then match that form only. Every rewrite keep
   between the all-reduce, the merge add, the residual add and the norm, move up to the chain's inputs,
   so the chain runs in the shape the norm sees: `view(wait(all_reduce(x)))` becomes
   `wait(all_reduce(view(x)))` and `view(a + b)` becomes `view(a) + view(b)`; other users of the old
-  sum read a view of the new one, in the old shape.
-- An add of an all-reduced value reads `reduced + other` (the all-reduced operand first).
+  sum read a view of the new one, in the old shape. The new all-reduce is issued where the old one
+  was and waited for where the old wait was (a collective never moves later or past another one); size
+  arguments computed after the all-reduce move up before it (a reshape whose sizes come from the sum
+  itself stays where it is).
+- An add of an all-reduced value reads `reduced + other` (the all-reduced operand first; of two, the
+  later one, whose fused op can then take the earlier as its residual where its all-reduce was). An
+  add with `alpha` (`a + alpha * b`) keeps its operands' order.
 - The RMSNorm arithmetic that reads a chain value `h` (or a cast of it): `c * c` becomes
   `pow(c, 2)`; a mean over the last dimension named by its index becomes `mean(..., [-1])`;
   `eps + mean` and `add.Scalar(mean, eps)` become `mean + eps` (`add.Tensor`); repeated casts of `h` to one dtype become one; `rsqrt(v) * c`
@@ -37,6 +42,7 @@ from torch._guards import detect_fake_mode
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from fxfuse.passes.collective_placement import late_ancestors, movable_earlier
 from fxfuse.passes.pattern_support import ALL_REDUCE, WAIT_TENSOR, same_shape
 
 aten = torch.ops.aten
@@ -286,14 +292,18 @@ class _Rewriter:
         """`reshape(wait(all_reduce(x)))` -> `wait(all_reduce(reshape(x)))`, when nothing else reads them.
 
         The new all-reduce is issued where the old one was and waited for where the old wait was (never
-        later, never past another collective); so the reshape's size arguments must be known there.
+        later, never past another collective); size arguments computed after the all-reduce move up
+        before it, unless they cannot (computed from the sum, or by a collective or a mutation).
         """
         all_reduce = wait.args[0]
         if len(wait.users) != 1 or len(all_reduce.users) != 1:
             return False
         x, rest = all_reduce.args[0], reshape.args[1:]
-        if any(not node < all_reduce for node in _flatten(rest) if isinstance(node, torch.fx.Node)):
+        late = sorted(late_ancestors(_flatten(rest), all_reduce))
+        if not all(movable_earlier(node) for node in late):
             return False
+        for node in late:
+            all_reduce.prepend(node)
         made = self.emit_all(
             [
                 (reshape.target, lambda made: (x, *rest), x),

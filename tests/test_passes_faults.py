@@ -4,10 +4,12 @@ Each program here was compiled wrong, or failed to compile, before its fix. Sing
 process group (its all-reduce returns the input unchanged), so a compiled program must equal eager bit
 for bit; every compile goes through `OrderCheckedBackend`, which also checks that no collective moved
 later or changed places. Sites the passes must leave alone are checked with `explain_unfused`'s
-reason for them.
+reason for them. One slow test runs item 16's graph under Inductor on two gloo ranks.
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from toy_graphs import compile_and_run, fake_process_group, post_grad_graph
 from fxfuse.passes import canonical_form
 from fxfuse.passes.config import PassConfig
 from fxfuse.passes.unfused_reasons import explain_unfused
+from fxfuse.runner.launch import run_on_ranks
 
 ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 H = 16
@@ -255,3 +258,34 @@ def test_no_merge_across_another_collective(group):
     assert unfused_reasons(gm)[0::2] == [
         "it is added (`add`) to another all-reduce, and `all_reduce_1` is issued between the two: merging would "
         "change the order of collectives"] * 2
+
+
+def viewed_site_then_inplace_add(p, r, w, wo, x, wm, *, group):
+    """Issue 21's minimal graph for item 16: a viewed sum's norm, then an in-place add of a second
+    all-reduce, unsqueezed. Canonicalizing it issued the second all-reduce late, and Inductor then read
+    its buffer before its wait_tensor (wrong every run)."""
+    h = ar(p, group).view(1, -1, p.shape[-1]) + r
+    o = rmsnorm(h, w) @ wo
+    h.add_(ar(x @ wm, group).unsqueeze(0))
+    return o, h
+
+
+def _item16_under_inductor(ctx, calls: int):
+    gen = torch.Generator().manual_seed(ctx.rank)
+    args = [torch.randn(shape, generator=gen) for shape in ((4, H), (1, 4, H), (H,), (H, H), (4, H), (H, H))]
+    program = functools.partial(viewed_site_then_inplace_add, group=ctx.group)
+    backend = OrderCheckedBackend(inner="inductor")
+    compiled = torch.compile(program, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        expected = program(*[a.clone() for a in args])
+        results = [compiled(*[a.clone() for a in args]) for _ in range(calls)]
+    return expected, results, backend.records[-1].stats.fused
+
+
+@pytest.mark.slow
+def test_reshaped_all_reduce_under_inductor_on_two_ranks():
+    for expected, results, fused in run_on_ranks(_item16_under_inductor, 2, 5, timeout_s=600):
+        assert fused == 1
+        for got in results:
+            for a, b in zip(got, expected, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,184 @@
+"""Differential test of the passes: seeded random programs around the all-reduce -> residual add ->
+RMSNorm chain (tests/differential_cases.py) compiled with the fxfuse backend, against eager, on 2 gloo
+ranks.
+
+Each case is compiled with `FxfuseBackend(inner="eager")` and, for a share of the cases, with
+`inner="inductor"`, through `OrderCheckedBackend` (no collective moved later or reordered); its outputs
+and its inputs after the call (programs mutate some) must equal eager's: float32 within 1e-5, float16
+and bfloat16 within 4 rounding steps of the dtype, dtypes and shapes exactly. A failing case is shrunk
+(`differential_cases.simpler`) to a smaller one that still fails, and reported with its seed and source.
+The quick loop runs `QUICK_CASES` seeds, `slow` `SLOW_CASES` more. Run other seeds with
+`.venv/bin/python tests/test_differential.py FIRST COUNT [INDUCTOR_SHARE]`.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from collective_order import OrderCheckedBackend
+from differential_cases import Case, make_inputs, random_case, render, simpler
+
+from fxfuse.runner.launch import run_on_ranks
+
+QUICK_CASES = 30
+SLOW_CASES = 300
+#: Relative (and, times the largest expected magnitude, absolute) tolerance by a case's activation dtype.
+TOLERANCE = {"float32": 1e-5, "float16": 4 * 2.0**-10, "bfloat16": 4 * 2.0**-7}
+#: Shrinking compiles at most this many smaller cases.
+SHRINK_TRIES = 25
+
+
+def program_of(case: Case):
+    """The rendered program of `case`, as a function, and its input descriptions."""
+    source, inputs = render(case)
+    namespace = {"torch": torch, "funcol": funcol, "dist": dist, "F": F}
+    exec(compile(source, f"<case {case.seed}>", "exec"), namespace)  # noqa: S102 - our own generated source
+    return namespace["program"], inputs
+
+
+def _call(fn, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """fn's outputs on copies of `inputs`, then those copies (after any mutation)."""
+    copies = [t.clone() for t in inputs]
+    with torch.no_grad():
+        outputs = fn(*copies)
+    return list(outputs) + copies
+
+
+def _mismatch(got: list[torch.Tensor], want: list[torch.Tensor], precision: str) -> str | None:
+    """How `got` differs from `want` beyond the tolerance of `precision`, or None."""
+    if len(got) != len(want):
+        return f"{len(got)} outputs, eager gives {len(want)}"
+    tolerance = TOLERANCE[precision]
+    for index, (a, b) in enumerate(zip(got, want)):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return f"output {index} is {a.dtype} {list(a.shape)}, eager gives {b.dtype} {list(b.shape)}"
+        scale = max(1.0, b.double().abs().nan_to_num(0.0).max().item()) if b.numel() else 1.0
+        try:
+            torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance * scale, equal_nan=True)
+        except AssertionError as error:
+            return f"output {index}: " + str(error).replace("\n", " ")
+    return None
+
+
+def case_failure(case: Case, groups, rank: int, fused: Counter | None = None) -> str | None:
+    """Why `case` compiles to something other than eager on this rank (None: it does not, or eager itself
+    raises, which `fused["invalid"]` counts). Runs the same collectives on every rank."""
+    program, described = program_of(case)
+    fn = functools.partial(program, g=groups[0], g2=groups[1])
+    inputs = make_inputs(described, case.seed, rank)
+    fused = fused if fused is not None else Counter()
+    try:
+        expected = _call(fn, inputs)
+    except Exception:  # noqa: BLE001 - an invalid drawn program (shapes that do not broadcast, ...)
+        fused["invalid"] += 1
+        return None
+    for inner in case.inners:
+        backend = OrderCheckedBackend(inner=inner)
+        torch._dynamo.reset()
+        try:
+            got = _call(torch.compile(fn, backend=backend, fullgraph=True, dynamic=case.dynamic), inputs)
+        except Exception as error:  # noqa: BLE001 - every compile error is a finding
+            return f"{inner} inner: {type(error).__name__}: {str(error)[:3000]}"
+        mismatch = _mismatch(got, expected, case.dtype)  # inputs are float32 or the case's dtype
+        if mismatch is not None:
+            return f"{inner} inner: {mismatch[:3000]}"
+        fused[f"compiled_{inner}"] += 1
+        for record in backend.records:
+            fused["fused"] += record.stats.fused
+            fused["merged"] += record.stats.merged
+    return None
+
+
+def _agreed(flag: bool, group) -> bool:
+    """Whether `flag` holds on any rank (every rank gets the same answer)."""
+    value = torch.tensor([int(flag)])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
+def _shrunk(case: Case, groups, rank: int, message: str | None) -> tuple[Case, str | None]:
+    """The smallest case found, greedily, that still fails on some rank (this rank's reason, if it fails here)."""
+    tries = 0
+    improved = True
+    while improved and tries < SHRINK_TRIES:
+        improved = False
+        for candidate in simpler(case):
+            if tries >= SHRINK_TRIES:
+                break
+            tries += 1
+            failure = case_failure(candidate, groups, rank)
+            if _agreed(failure is not None, groups[0]):
+                case, message, improved = candidate, failure, True
+                break
+    return case, message
+
+
+def report(seed: int, case: Case, message: str | None, rank: int) -> str:
+    """A failing case as text: seed, reason, the minimal case and its program's source."""
+    source, inputs = render(case)
+    shapes = ", ".join(f"{item.name}: {item.dtype}{list(item.shape)}" for item in inputs)
+    return (f"seed {seed} (rank {rank}): {message or 'fails on another rank'}\nminimal case: {case}\n"
+            f"inputs: {shapes}\n{source}")
+
+
+def check_cases_on_rank(ctx, seeds: list[int], inductor_share: float) -> tuple[dict[int, tuple[bool, str]], Counter]:
+    """Run every seed's case on this rank: ({seed: (failed here, report)} of the failing cases, counts of
+    what was compiled)."""
+    groups = (ctx.group, dist.new_group(list(range(ctx.world_size))))
+    counts: Counter = Counter()
+    failures = {}
+    for seed in seeds:
+        case = random_case(seed, inductor_share)
+        counts["cases"] += 1
+        failure = case_failure(case, groups, ctx.rank, counts)
+        if _agreed(failure is not None, groups[0]):
+            minimal, message = _shrunk(case, groups, ctx.rank, failure)
+            failures[seed] = (message is not None, report(seed, minimal, message, ctx.rank))
+    return failures, counts
+
+
+def run_cases(seeds: list[int], inductor_share: float, timeout_s: float) -> tuple[list[str], Counter]:
+    """Every case on 2 gloo ranks: one report per failing seed (from the first rank it failed on) and
+    rank 0's counts."""
+    results = run_on_ranks(check_cases_on_rank, 2, seeds, inductor_share, timeout_s=timeout_s)
+    reports = {}
+    for failures, _ in results:
+        for seed, (failed_here, text) in failures.items():
+            if seed not in reports or failed_here and not reports[seed][0]:
+                reports[seed] = (failed_here, text)
+    return [reports[seed][1] for seed in sorted(reports)], results[0][1]
+
+
+def _assert_all_pass(seeds: list[int], inductor_share: float, timeout_s: float) -> Counter:
+    failures, counts = run_cases(seeds, inductor_share, timeout_s)
+    assert not failures, f"{len(failures)} failing case report(s):\n\n" + "\n\n".join(failures)
+    assert counts["invalid"] <= len(seeds) // 10, counts  # the generator draws programs eager runs
+    return counts
+
+
+def test_differential_quick():
+    """30 cases (2 of them also under Inductor): about a minute on 2 busy cores."""
+    counts = _assert_all_pass(list(range(QUICK_CASES)), inductor_share=0.07, timeout_s=400)
+    assert counts["fused"] > QUICK_CASES // 3 and counts["merged"] > 0 and counts["compiled_inductor"] > 0, counts
+
+
+@pytest.mark.slow
+def test_differential_slow():
+    seeds = list(range(QUICK_CASES, QUICK_CASES + SLOW_CASES))
+    counts = _assert_all_pass(seeds, inductor_share=0.05, timeout_s=2400)
+    assert counts["fused"] > SLOW_CASES // 3 and counts["compiled_inductor"] > SLOW_CASES // 20, counts
+
+
+if __name__ == "__main__":
+    first, count = int(sys.argv[1]), int(sys.argv[2])
+    found, counted = run_cases(list(range(first, first + count)), float(sys.argv[3]) if len(sys.argv) > 3 else 0.1,
+                               timeout_s=6 * 3600)
+    print("\n\n".join(found))
+    print(f"{len(found)} failing of {count}; {dict(counted)}")
