@@ -8,8 +8,8 @@ plus the kernels' own launches. The plans:
 - `PciePlan`: FlashInfer's PCIe IPC all-reduce, then the fused add-RMSNorm kernel;
 - `NcclPlan`: the group's all-reduce (`_c10d_functional.all_reduce_`, as Inductor issues it), then the
   fused add-RMSNorm kernel. When the caller donated `x` (the op's `donate_x` overloads, which the
-  backend emits where Inductor can prove `x` is dead), the all-reduce runs in x's memory; otherwise
-  on a copy. Where the C++ fallback is installed (`fxfuse.op.native_fallback`), the shape is
+  backend emits where Inductor can prove `x` is dead), the all-reduce runs in x's memory unless the
+  residual or weight shares it; otherwise on a copy. Where the C++ fallback is installed (`fxfuse.op.native_fallback`), the shape is
   registered with it and its later calls run the same steps in C++, never reaching Python.
 Plans are dropped when a group's workspaces change (a new `fxfuse.prepare`). Inputs that are not
 16-byte aligned or contiguous are copied first: a copy is the same decision on every rank, where
@@ -33,7 +33,7 @@ from fxfuse.op.modes import FusionMode
 from fxfuse.op.native_fallback import calls_by_reason, forget_shapes, native_installed, register_shape, reset_counts
 from fxfuse.op.pcie_kernels import PcieAllReduceKernels, pcie_workspace_bytes
 from fxfuse.op.policy import FusionDecision, FusionProblem, decide, trtllm_token_cap
-from fxfuse.op.reference import resolve_group
+from fxfuse.op.reference import resolve_group, writable_in_place
 from fxfuse.op.settings import current_settings
 from fxfuse.op.thresholds import current_thresholds
 from fxfuse.op.trtllm_kernels import TrtllmFusionKernels
@@ -126,7 +126,7 @@ class NcclPlan(CallPlan):
     time per call, and this runs at every site of every uncaptured step)."""
 
     def __call__(self, x, residual, weight, eps, x_donated):
-        donated_in_place = x_donated and x.is_contiguous() and x.data_ptr() % KERNEL_ALIGNMENT == 0
+        donated_in_place = writable_in_place(x, x_donated, residual, weight) and x.data_ptr() % KERNEL_ALIGNMENT == 0
         reduced = x if donated_in_place else x.clone(memory_format=torch.contiguous_format)
         ALL_REDUCE_(reduced, "sum", self.group_name)
         WAIT_TENSOR(reduced)

@@ -17,7 +17,8 @@
 // drive it with CPU tensors and gloo).
 //
 // Arithmetic is exactly the Python plan's: all-reduce sum into x's memory when x is donated,
-// contiguous and 16-byte aligned (else into a contiguous copy), then the add-RMSNorm kernel writing a
+// contiguous, 16-byte aligned and shares no memory with the residual or weight (else into a
+// contiguous copy), then the add-RMSNorm kernel writing a
 // fresh `residual_out` (or the reduced buffer itself when it is a copy) and a fresh `normed`.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -34,6 +35,7 @@
 #include <string>
 #include <tuple>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -125,6 +127,22 @@ bool aligned_contiguous(const at::Tensor& t) {
   return t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % kAlignment == 0;
 }
 
+// The byte addresses [first, end) that t's elements occupy (fxfuse.op.reference.memory_span).
+std::pair<uintptr_t, uintptr_t> memory_span(const at::Tensor& t) {
+  if (t.numel() == 0) return {0, 0};
+  int64_t extent = 1;
+  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+  const auto start = reinterpret_cast<uintptr_t>(t.data_ptr());
+  return {start, start + static_cast<uintptr_t>(extent * t.element_size())};
+}
+
+bool may_overlap(const at::Tensor& a, const std::optional<at::Tensor>& b) {
+  if (!b.has_value()) return false;
+  const auto [a_start, a_end] = memory_span(a);
+  const auto [b_start, b_end] = memory_span(*b);
+  return a_start < b_end && b_start < a_end;
+}
+
 at::Tensor aligned(const at::Tensor& t) {
   return aligned_contiguous(t) ? t : t.clone(at::MemoryFormat::Contiguous);
 }
@@ -192,7 +210,7 @@ std::tuple<at::Tensor, at::Tensor> run_shape(const at::Tensor& x, const std::opt
   static const c10::OperatorHandle wait_tensor = op_handle("_c10d_functional::wait_tensor", "");
   static const c10::OperatorHandle add_rmsnorm_into = op_handle("fxfuse::add_rmsnorm_into", "");
 
-  const bool in_place = donated && aligned_contiguous(x);
+  const bool in_place = donated && aligned_contiguous(x) && !may_overlap(x, residual) && !may_overlap(x, weight);
   at::Tensor reduced = in_place ? x : x.clone(at::MemoryFormat::Contiguous);
   {
     torch::jit::Stack stack{reduced, std::string("sum"), group};

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from fxfuse.op import native_fallback
 from fxfuse.op.native_build import load_native_library
-from fxfuse.op.reference import add_rmsnorm, resolve_group
+from fxfuse.op.reference import add_rmsnorm, resolve_group, writable_in_place
 
 OP_NAME = "fxfuse::allreduce_residual_rmsnorm"
 _RESULTS = "(Tensor normed, Tensor residual_out)"
@@ -80,9 +80,11 @@ torch.library.define(
 
 
 def _cpu_kernel(x, residual, weight, eps, group_name, x_donated: bool):
-    """Reference: gloo all-reduce (in x itself when donated and contiguous), then `add_rmsnorm`."""
+    """Reference: gloo all-reduce (in x itself when donated, contiguous and sharing no memory with the
+    residual or weight), then `add_rmsnorm`."""
     eps = float(eps)
-    reduced = x if x_donated and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
+    in_place = writable_in_place(x, x_donated, residual, weight)
+    reduced = x if in_place else x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=resolve_group(group_name))
     normed, residual_out = add_rmsnorm(reduced, residual, weight, eps)
     return normed, residual_out.clone() if residual_out is x else residual_out
