@@ -44,6 +44,25 @@ def writable_in_place(x: torch.Tensor, x_donated: bool, *read_after: torch.Tenso
     return x_donated and x.is_contiguous() and not any(may_overlap(x, t) for t in read_after)
 
 
+def check_arguments(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
+    """Raise ValueError unless x is [..., hidden], residual (if any) has x's shape, dtype and device,
+    and weight is a [hidden] vector of x's dtype on x's device: what every kernel of the op assumes."""
+    problems = []
+    if x.dim() < 1:
+        problems.append(f"x must have a hidden dimension, got shape {list(x.shape)}")
+    elif weight.shape != x.shape[-1:]:
+        problems.append(f"weight {list(weight.shape)} must be [hidden] = {list(x.shape[-1:])}")
+    if residual is not None and residual.shape != x.shape:
+        problems.append(f"residual {list(residual.shape)} must have x's shape {list(x.shape)}")
+    for name, t in (("residual", residual), ("weight", weight)):
+        if t is not None and t.dtype != x.dtype:
+            problems.append(f"{name} dtype {t.dtype} must be x's {x.dtype}")
+        if t is not None and t.device != x.device:
+            problems.append(f"{name} is on {t.device}, x on {x.device}")
+    if problems:
+        raise ValueError("allreduce_residual_rmsnorm: " + "; ".join(problems))
+
+
 def add_rmsnorm(
     reduced: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
