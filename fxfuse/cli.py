@@ -255,6 +255,8 @@ def _add_bench_parser(commands) -> None:
         getattr(arguments, declare)(bench)
 
 
+#: `fxfuse plan`'s default KV-cache length (cut to the model's max_position_embeddings).
+PLAN_CONTEXT = 4096
 PLAN_DESCRIPTION = """\
 Per-rank memory plan of a run on GPUs (no weights loaded, no GPU needed), in GB (1e9 bytes): weights,
 KV cache, the fused op's workspace, activations (an estimate), CUDA-graph outputs and a fixed reserve.
@@ -277,8 +279,9 @@ def _add_plan_parser(commands) -> None:
                    help="weight format (default: the checkpoint's, bf16 for presets)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16", help="activations and unquantized weights (default bfloat16)")
     p.add_argument("--batch", type=at_least(1), default=8, help="sequences per step (default 8)")
-    p.add_argument("--context", type=at_least(1), default=4096,
-                   help="KV-cache positions per sequence, at most the model's max_position_embeddings (default 4096)")
+    p.add_argument("--context", type=at_least(1), default=None,
+                   help=f"KV-cache positions per sequence, at most the model's max_position_embeddings (default "
+                        f"{PLAN_CONTEXT}, or the model's max_position_embeddings if smaller)")
     p.add_argument("--tokens", type=at_least(1), default=128, help="widest step, tokens per sequence (default 128)")
     p.add_argument("--graph-widths", type=int_list(1, MAX_STEP_WIDTH), default=DEFAULT_WIDTHS, metavar="W,W,...",
                    help=f"captured CUDA-graph widths (default {','.join(map(str, DEFAULT_WIDTHS))})")
@@ -307,10 +310,11 @@ def _plan_command(args) -> int:
         stored, multimodal = checkpoint_format({}), name in TEXT_OF_MULTIMODAL
     check_tp(config, args.tp)
     widest = max(args.tokens, *args.graph_widths)
-    if args.context > config.max_position_embeddings:
-        raise ValueError(f"--context {args.context} is more than the model's max_position_embeddings ({config.max_position_embeddings})")
-    if widest > args.context:
-        raise ValueError(f"--context {args.context} is shorter than the widest step ({widest} tokens of --tokens or --graph-widths)")
+    context = min(PLAN_CONTEXT, config.max_position_embeddings) if args.context is None else args.context
+    if context > config.max_position_embeddings:
+        raise ValueError(f"--context {context} is more than the model's max_position_embeddings ({config.max_position_embeddings})")
+    if widest > context:
+        raise ValueError(f"--context {context} is shorter than the widest step ({widest} tokens of --tokens or --graph-widths)")
 
     import dataclasses
 
@@ -319,7 +323,7 @@ def _plan_command(args) -> int:
     from fxfuse.runner.memory_plan import GB, PlanError, PlanInputs, device_memory_bytes, plan_memory
 
     inputs = PlanInputs(tp=args.tp, weights=args.weights or stored.weights, dtype=getattr(torch, args.dtype), batch=args.batch,
-                        context=args.context, step_tokens=args.tokens, graph_widths=tuple(args.graph_widths),
+                        context=context, step_tokens=args.tokens, graph_widths=tuple(args.graph_widths),
                         fused_workspace=True, fp8_block=stored.fp8_block, int4_group=stored.int4_group,
                         interconnect=args.interconnect)
     plan = plan_memory(config, inputs, name)
