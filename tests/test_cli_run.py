@@ -291,3 +291,15 @@ def test_a_malformed_config_json_is_one_error_line(command, content, tmp_path, c
     assert main([command, "--checkpoint", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"fxfuse: error: cannot read {tmp_path / 'config.json'}: ") and err.count("\n") == 1
+
+
+def test_benchmarks_say_where_they_wrote_their_files(tmp_path, monkeypatch, capsys):
+    """The default --out-dir is relative (bench/results of the current directory): the files are listed by
+    absolute path, so a run from another folder says where its results went."""
+    from pathlib import Path
+
+    from fxfuse.bench.output import publish
+
+    monkeypatch.chdir(tmp_path)
+    publish({}, "model", ["--device", "cpu"], lambda report: [Path("bench/results/x.json")], lambda report: "table")
+    assert capsys.readouterr().out == f"wrote {tmp_path}/bench/results/x.json\ntable\n"
