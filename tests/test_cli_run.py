@@ -6,6 +6,7 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,6 +60,12 @@ def test_the_built_in_job_fuses_every_site_and_matches_eager(tmp_path, capfd):
         assert sum(line.endswith(") ...") for line in compiling) == 1  # rank 0 only
     assert err.count("fxfuse: dynamo traced layer 4/4") >= 1  # once per compile that traces the model
     assert err.count("verify steps of 2 x 1 tokens: 4/4") == 1
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert not [key for key in summary if f"`{key}`" not in readme]  # the README documents every summary field
+    sample = readme.split("## What `scripts/dev run` shows", 1)[1].split("```\n", 2)[1].splitlines()
+    printed = captured.out.splitlines()
+    # the README's sample is this output, timings aside
+    assert [line for i, line in enumerate(sample) if i != 2] == [line for i, line in enumerate(printed) if i != 2]
 
 
 @pytest.mark.slow
@@ -296,8 +303,6 @@ def test_a_malformed_config_json_is_one_error_line(command, content, tmp_path, c
 def test_benchmarks_say_where_they_wrote_their_files(tmp_path, monkeypatch, capsys):
     """The default --out-dir is relative (bench/results of the current directory): the files are listed by
     absolute path, so a run from another folder says where its results went."""
-    from pathlib import Path
-
     from fxfuse.bench.output import publish
 
     monkeypatch.chdir(tmp_path)
