@@ -11,12 +11,14 @@ options and a handler that imports the heavy modules it needs. Bad input ends in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
 import signal
 import sys
 import threading
+from typing import Iterator
 
 from fxfuse.command_line import CommandParser, at_least, check_output_file, int_list, positive_float, write_json
 from fxfuse.models.presets import PRESETS
@@ -293,7 +295,7 @@ def _add_plan_parser(commands) -> None:
 
 
 def _plan_command(args) -> int:
-    from fxfuse.models.presets import TEXT_OF_MULTIMODAL, get_preset
+    from fxfuse.models.presets import TEXT_OF_MULTIMODAL
     from fxfuse.models.quant.scheme import checkpoint_format
     from fxfuse.runner.options import check_tp, resolve_model
 
@@ -418,18 +420,19 @@ def main(argv: list[str] | None = None) -> int:
         return TERMINATED_STATUS
 
 
-class _sigterm_raises:
-    """While active (in the main thread), SIGTERM raises `Terminated` once, so every `finally` on the way
-    out runs (the launcher's stops the ranks); a second SIGTERM during that clean-up is ignored."""
-
-    def __enter__(self) -> None:
-        self.previous = None
-        if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGTERM, _raise_terminated)
-
-    def __exit__(self, *exc_info) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """While the block runs (in the main thread), SIGTERM raises `Terminated` once, so every `finally` on
+    the way out runs (the launcher's stops the ranks); a second SIGTERM during that clean-up is ignored.
+    The previous handler is restored afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _raise_terminated(signum, frame) -> None:
