@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from fxfuse.models.quant.scheme import QuantScheme
 from fxfuse.runner.options import RunError, RunOptions, prepare_run, resolve_model
 
 
@@ -138,3 +139,21 @@ def test_a_checkpoint_file_and_bad_config_json_are_named(tmp_path):
         (tmp_path / "config.json").write_text(content)
         with pytest.raises(RunError, match=message):
             resolve_model(None, str(tmp_path), None)
+
+
+@pytest.mark.slow  # the quantization libraries' imports: about 20 s on 2 cores
+@pytest.mark.parametrize("stored, prefix", [("fp8", ""), ("int4", ""), ("int4", "language_model.")])
+def test_quantized_checkpoints_pass_the_header_check_in_every_format_they_load_as(stored, prefix, tmp_path):
+    """The check before any rank starts accepts what the loader accepts: a FP8 or INT4 checkpoint (with
+    Kimi-K2.5's multimodal prefix too) as stored, or dequantized to bf16; the other format is refused."""
+    from fxfuse.runner.checkpoint_check import check_checkpoint
+    from quant_helpers import FP8, INT4, TINY_ALIGNED, float_state, fp8_checkpoint, int4_checkpoint, save_checkpoint
+
+    scheme = FP8 if stored == "fp8" else INT4
+    tensors = (fp8_checkpoint if stored == "fp8" else int4_checkpoint)(float_state())
+    save_checkpoint(tmp_path, tensors, scheme, prefix=prefix)
+    for quant in (scheme, QuantScheme()):
+        check_checkpoint(str(tmp_path), TINY_ALIGNED, 2, torch.float32, quant)
+    other = INT4 if stored == "fp8" else FP8
+    with pytest.raises(RunError, match=f"^checkpoint {tmp_path} cannot be loaded: "):
+        check_checkpoint(str(tmp_path), TINY_ALIGNED, 2, torch.float32, other)
