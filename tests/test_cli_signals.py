@@ -122,3 +122,24 @@ def test_ranks_exit_when_their_launcher_is_killed(tmp_path):
         for pid in ranks:
             if running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _rank_1_aborts_at_exit(ctx):
+    """Returns its rank; rank 1 then aborts while its interpreter exits (as a C++ std::terminate would)."""
+    import atexit
+
+    if ctx.rank == 1:
+        atexit.register(os.abort)
+    return ctx.rank
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_after_reporting_is_named(capfd):
+    """A rank that ends abnormally after its result (a message such as "terminate called without an
+    active exception" from a C++ destructor at exit) keeps the results and is named on stderr."""
+    from fxfuse.runner.launch import run_on_ranks
+
+    assert run_on_ranks(_rank_1_aborts_at_exit, 2, timeout_s=120) == [0, 1]
+    err = capfd.readouterr().err
+    assert "fxfuse: rank 1 ended with SIGABRT after reporting its result (the result is complete;" in err
+    assert "rank 0 ended" not in err

@@ -22,6 +22,7 @@ import os
 import pickle
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -142,13 +143,18 @@ def run_on_ranks(
             results[rank] = pickle.loads(payload)
         finished = True
     finally:
-        stop_ranks(procs, EXIT_GRACE_S if finished else 0.0)
+        stopped = stop_ranks(procs, EXIT_GRACE_S if finished else 0.0)
+    for rank, p in enumerate(procs):
+        if p not in stopped and p.exitcode != 0:  # after its result: say which rank wrote whatever it printed
+            print(f"fxfuse: rank {rank} ended with {_exit_status(p.exitcode)} after reporting its result "
+                  "(the result is complete; any message it printed while exiting came from it)", file=sys.stderr)
     return [results[r] for r in range(world_size)]
 
 
-def stop_ranks(procs, grace_s: float) -> None:
+def stop_ranks(procs, grace_s: float) -> list:
     """Let the started processes of `procs` exit within `grace_s` seconds, then SIGTERM the rest, and
-    SIGKILL what is left `TERMINATE_GRACE_S` seconds later; returns once every one has ended."""
+    SIGKILL what is left `TERMINATE_GRACE_S` seconds later; returns, once every one has ended, those it
+    had to stop."""
     started = [p for p in procs if p.pid is not None]
     deadline = time.monotonic() + grace_s
     for p in started:
@@ -163,6 +169,17 @@ def stop_ranks(procs, grace_s: float) -> None:
         if p.is_alive():
             p.kill()
             p.join()
+    return alive
+
+
+def _exit_status(code: int) -> str:
+    """A process exit code in words: `status 1`, or the signal's name (`SIGABRT`) for a negative one."""
+    if code >= 0:
+        return f"status {code}"
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
 
 
 @contextlib.contextmanager
