@@ -8,7 +8,9 @@ rank that has not finished `timeout_s` seconds after the start (the error names 
 The ranks never outlive the launcher: they ignore Ctrl-C (SIGINT goes to the whole terminal's process
 group; the launcher alone handles it), any exception in the launcher (KeyboardInterrupt, or whatever
 its SIGTERM handler raises) stops them before it propagates (SIGTERM, then SIGKILL after a grace
-period), and a rank whose launcher dies without cleaning up (SIGKILL) exits on its own.
+period), and a rank whose launcher dies without cleaning up (SIGKILL) exits on its own. A rank that
+ends abnormally after reporting its result (a C++ destructor's std::terminate at exit) is named on
+stderr; the results stand.
 Under torchrun (RANK/WORLD_SIZE set) it joins the existing launch instead of spawning.
 """
 
