@@ -4,25 +4,37 @@ Arguments are parsed, and output paths checked, before torch is imported, so `--
 input answer at once. Each subcommand is one `_add_<name>_parser` function that declares its
 options and a handler that imports the heavy modules it needs. Bad input ends in one
 `fxfuse: error:` line with exit status 2, a failed rank in one such line with exit status 1
-(`--verbose`, before or after the subcommand, adds its traceback).
+(`--verbose`, before or after the subcommand, adds its traceback), Ctrl-C in one line with exit status
+130 and SIGTERM in one line with exit status 143, in both cases after the rank processes were stopped.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
+import signal
 import sys
+import threading
+from typing import Iterator
 
-from fxfuse.command_line import CommandParser, at_least, check_output_file, int_list, write_json
-from fxfuse.runner.errors import RankFailed
+from fxfuse.command_line import CommandParser, at_least, check_output_file, int_list, positive_float, write_json
+from fxfuse.models.presets import PRESETS
 from fxfuse.models.quant.scheme import WEIGHT_FORMATS
+from fxfuse.runner.errors import RankFailed, Terminated
 from fxfuse.runner.options import (
-    BACKENDS, COMPARE_TARGETS, DEFAULT_WIDTHS, DEVICES, DTYPE_BYTES, MAX_STEP_WIDTH, RunOptions,
+    BACKENDS, COMPARE_TARGETS, DEFAULT_INNER, DEFAULT_WIDTHS, DEVICES, DTYPE_BYTES, INNER_COMPILERS, MAX_STEP_WIDTH,
+    RunOptions,
 )
 
 DTYPE_CHOICES = tuple(DTYPE_BYTES)
+#: Exit statuses of a command stopped by Ctrl-C (SIGINT) or SIGTERM: 128 + the signal number, as shells report.
+INTERRUPTED_STATUS = 128 + signal.SIGINT
+TERMINATED_STATUS = 128 + signal.SIGTERM
+#: How the summary names each `--weights` format.
+WEIGHT_DESCRIPTIONS = {"bf16": "not quantized", "fp8": "FP8 blocks", "int4": "INT4 routed experts"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +68,9 @@ def _subcommand(commands, name: str, handler, **kwargs) -> argparse.ArgumentPars
 RUN_DESCRIPTION = """\
 Run a tensor-parallel DeepSeek-V3: prefill a random prompt, then greedy speculative-verify steps
 of --tokens tokens per sequence, and print a summary. With no arguments: the tiny preset with
-deterministic random weights, tensor parallel over 2 CPU processes (gloo), eager backend.
+deterministic random weights, tensor parallel over 2 CPU processes (gloo), compiled with the fxfuse
+backend (its fusion passes, then eager) and checked step by step against the uncompiled model; the
+summary says how many all-reduce sites were fused and what the fused op ran.
 On --device cuda (NCCL, one process per GPU) the step is captured in one CUDA graph per width
 bucket (--graph-widths) and replayed; other widths run uncaptured.
 """
@@ -67,13 +81,16 @@ def _add_run_parser(commands) -> None:
     p = _subcommand(commands, "run", _run_command, help="run the model (default: tiny preset, tp=2 on CPU)",
                     description=RUN_DESCRIPTION)
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--preset", default=None, help=f"built-in model config: tiny, deepseek-v3, kimi-k2 (default {d.preset})")
+    source.add_argument("--preset", default=None, help=f"built-in model config: {', '.join(PRESETS)} (default {d.preset})")
     source.add_argument("--checkpoint", metavar="DIR", help="Hugging Face DeepSeek-V3-format checkpoint directory (default: none)")
     p.add_argument("--layers", type=at_least(1), default=None, metavar="N",
                    help="keep full width but only the first N layers (default: all)")
     p.add_argument("--tp", type=at_least(1), default=d.tp, help=f"tensor parallel size = number of processes (default {d.tp})")
     p.add_argument("--device", choices=DEVICES, default=d.device, help=f"cpu (gloo) or cuda (NCCL, one GPU per rank) (default {d.device})")
     p.add_argument("--backend", choices=BACKENDS, default=d.backend, help=f"how the step is compiled (default {d.backend})")
+    p.add_argument("--inner", choices=INNER_COMPILERS, default=None,
+                   help="what compiles the graph after the fxfuse passes, with --backend fxfuse (default: "
+                        + ", ".join(f"{inner} on {device}" for device, inner in DEFAULT_INNER.items()) + ")")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=d.dtype, help=f"weights and activations (default {d.dtype})")
     p.add_argument("--batch", type=at_least(1), default=d.batch, help=f"sequences per step (default {d.batch})")
     p.add_argument("--prompt-len", type=at_least(1), default=d.prompt_len, help=f"prompt tokens per sequence (default {d.prompt_len})")
@@ -85,8 +102,9 @@ def _add_run_parser(commands) -> None:
                         f"DeepseekV3ForCausalLM (default {d.compare})")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="capture the step in CUDA graphs and replay them (default: on for --device cuda)")
-    p.add_argument("--graph-widths", type=int_list(1, MAX_STEP_WIDTH), default=d.graph_widths, metavar="W,W,...",
-                   help=f"step widths (tokens per sequence) that get a CUDA graph (default {','.join(map(str, DEFAULT_WIDTHS))})")
+    p.add_argument("--graph-widths", type=int_list(1, MAX_STEP_WIDTH), default=None, metavar="W,W,...",
+                   help="step widths (tokens per sequence) that get a CUDA graph, with CUDA graphs only "
+                        f"(default {','.join(map(str, DEFAULT_WIDTHS))})")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed of the random weights and prompt (default {d.seed})")
     p.add_argument("--weights", choices=WEIGHT_FORMATS, default=d.weights,
                    help="keep weights in bf16 (dequantized on load), FP8 blocks or INT4 experts; see `fxfuse plan` "
@@ -97,16 +115,16 @@ def _add_run_parser(commands) -> None:
 def _run_command(args) -> int:
     from fxfuse.runner.options import prepare_run
 
-    if args.json:
+    if args.json is not None:
         check_output_file(args.json, "--json")
     preset = args.preset if (args.preset or args.checkpoint) else RunOptions().preset
     options = RunOptions(
         preset=preset, checkpoint=args.checkpoint, layers=args.layers, tp=args.tp, device=args.device,
-        backend=args.backend, dtype=args.dtype, batch=args.batch, prompt_len=args.prompt_len,
+        backend=args.backend, inner=args.inner, dtype=args.dtype, batch=args.batch, prompt_len=args.prompt_len,
         tokens_per_step=args.tokens_per_step, steps=args.steps, compare=args.compare, seed=args.seed,
         cuda_graph=args.cuda_graph, graph_widths=args.graph_widths, weights=args.weights,
     )
-    setup = prepare_run(options)  # every check that needs no rank, before torch is imported
+    setup = prepare_run(options)  # every check that needs no rank, before any rank starts
 
     from fxfuse.runner.run import run_prepared
 
@@ -114,32 +132,44 @@ def _run_command(args) -> int:
     if summary["rank"] != 0:  # a torchrun rank other than 0: rank 0 reports
         return 0
     print(format_run_summary(summary))
-    if args.json:
+    if args.json is not None:
         write_json(args.json, summary)
     return 0
+
+
+COMPARE_DESCRIPTIONS = {"eager": "the same model uncompiled, step for step", "hf": "transformers' DeepseekV3ForCausalLM"}
 
 
 def format_run_summary(summary: dict) -> str:
     """A few human-readable lines for a run summary dict."""
     graphs = f"CUDA graphs for widths {summary['graph_widths']}" if summary["cuda_graph"] else "no CUDA graphs"
+    backend = summary["backend"]
+    if summary["inner_compiler"] is not None:
+        backend += f" (fusion passes, then {summary['inner_compiler']})"
+    steps, width = summary["steps"], summary["tokens_per_step"]
     lines = [
-        f"model {summary['model']} ({summary['layers']} layers), tp={summary['tp']} on {summary['device']}, "
-        f"backend {summary['backend']}, {summary['dtype']}, {graphs}",
-        f"batch {summary['batch']}, prompt {summary['prompt_len']}, {summary['steps']} steps of "
-        f"{summary['tokens_per_step']} tokens: step {summary['step_ms']:.2f} ms median, "
-        f"{summary['step_ms_p90']:.2f} ms p90, {summary['tokens_per_s']:,.0f} tokens/s",
+        f"model {summary['model']} ({summary['layers']} layers), tp={summary['tp']} on {summary['device']}, {summary['dtype']}, "
+        f"weights {summary['weights']} ({WEIGHT_DESCRIPTIONS[summary['weights']]}), backend {backend}, {graphs}",
     ]
+    if summary["fused_sites"] is not None:
+        lines.append(f"fxfuse fused {summary['fused_sites']} of {summary['allreduce_sites']} all-reduce sites; "
+                     f"the fused op ran {summary['fused_op'] or 'nothing (no site fused)'}")
+    lines.append(f"batch {summary['batch']}, prompt {summary['prompt_len']}, {_count(steps, 'step')} of "
+                 f"{_count(width, 'token')}: step {summary['step_ms']:.2f} ms median, "
+                 f"{summary['step_ms_p90']:.2f} ms p90, {summary['tokens_per_s']:,.0f} tokens/s")
     if summary["peak_gpu_mem_gb"] is not None:
         lines.append(f"peak GPU memory (rank 0): {summary['peak_gpu_mem_gb']:.2f} GB")
-    if summary["fused_sites"] is not None:
-        kernel = {True: "FlashInfer kernel ready", False: "FlashInfer kernel not used", None: "CPU reference kernel"}
-        lines.append(f"fused sites {summary['fused_sites']} of {summary['allreduce_sites']} all-reduce sites "
-                     f"({kernel[summary['fused_kernel_ready']]})")
     lines.append(f"tokens (sequence 0): {summary['tokens']}")
     lines.append(_drafts_line(summary))
     if summary["compare"] != "none":
-        lines.append(f"max relative error vs {summary['compare']}: {summary['max_rel_err']:.3e}")
+        lines.append(f"max relative error vs {summary['compare']} ({COMPARE_DESCRIPTIONS[summary['compare']]}): "
+                     f"{summary['max_rel_err']:.3e}")
     return "\n".join(lines)
+
+
+def _count(n: int, noun: str) -> str:
+    """`1 token`, `4 tokens`."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _drafts_line(summary: dict) -> str:
@@ -165,7 +195,7 @@ def _add_report_parser(commands) -> None:
     p = _subcommand(commands, "report", _report_command,
                     help="which all-reduce sites the fusion pass fuses (no weights, no GPU)", description=REPORT_DESCRIPTION)
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--preset", default=None, help="built-in model config: tiny, deepseek-v3, kimi-k2 (default tiny)")
+    source.add_argument("--preset", default=None, help=f"built-in model config: {', '.join(PRESETS)} (default tiny)")
     source.add_argument("--checkpoint", metavar="DIR",
                         help="Hugging Face DeepSeek-V3-format checkpoint directory, config.json only (default: none)")
     p.add_argument("--layers", type=at_least(1), default=None, metavar="N",
@@ -177,12 +207,14 @@ def _add_report_parser(commands) -> None:
 
 
 def _report_command(args) -> int:
-    from fxfuse.runner.options import resolve_model
+    from fxfuse.runner.op_settings import checked_op_settings
+    from fxfuse.runner.options import check_tp, resolve_model
 
-    if args.json:
+    if args.json is not None:
         check_output_file(args.json, "--json")
     config, name = resolve_model(args.preset or (None if args.checkpoint else "tiny"), args.checkpoint, args.layers)
-    config.check_tensor_parallel(args.tp)
+    check_tp(config, args.tp)
+    checked_op_settings()  # the passes consult the op's settings as they trace
 
     import torch
 
@@ -195,7 +227,7 @@ def _report_command(args) -> int:
         report = report_model(config, args.tp, name=name, dtype=getattr(torch, args.dtype),
                               on_build=lambda model: watch_layers(progress, model.model.layers, "dynamo traced layer"))
     print(report.table())
-    if args.json:
+    if args.json is not None:
         write_json(args.json, report.to_json())
     return 0
 
@@ -225,13 +257,23 @@ def _add_bench_parser(commands) -> None:
         getattr(arguments, declare)(bench)
 
 
+#: `fxfuse plan`'s default KV-cache length (cut to the model's max_position_embeddings).
+PLAN_CONTEXT = 4096
+PLAN_DESCRIPTION = """\
+Per-rank memory plan of a run on GPUs (no weights loaded, no GPU needed), in GB (1e9 bytes): weights,
+KV cache, the fused op's workspace, activations (an estimate), CUDA-graph outputs and a fixed reserve.
+Exits 2 with what would fit when the total exceeds --gpu-memory-gb (default: GPU 0's memory, if any).
+"""
+
+
 def _add_plan_parser(commands) -> None:
+    from fxfuse.runner.op_settings import INTERCONNECTS
+
     p = _subcommand(commands, "plan", _plan_command,
                     help="per-rank memory of a run: weights, KV cache, workspaces, activations (no GPU needed)",
-                    description="Per-rank memory plan of a run (no weights loaded, no GPU needed). Exits 2 with what "
-                                "would fit when it does not fit --gpu-memory-gb (default: GPU 0's memory, if any).")
+                    description=PLAN_DESCRIPTION)
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--preset", default=None, help="built-in model config (default deepseek-v3)")
+    source.add_argument("--preset", default=None, help=f"built-in model config: {', '.join(PRESETS)} (default deepseek-v3)")
     source.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (config.json only; default: none)")
     p.add_argument("--layers", type=at_least(1), default=None, metavar="N", help="keep full width but only the first N layers (default: all)")
     p.add_argument("--tp", type=at_least(1), default=8, help="tensor parallel size (default 8)")
@@ -239,43 +281,64 @@ def _add_plan_parser(commands) -> None:
                    help="weight format (default: the checkpoint's, bf16 for presets)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16", help="activations and unquantized weights (default bfloat16)")
     p.add_argument("--batch", type=at_least(1), default=8, help="sequences per step (default 8)")
-    p.add_argument("--context", type=at_least(1), default=4096, help="KV-cache positions per sequence (default 4096)")
+    p.add_argument("--context", type=at_least(1), default=None,
+                   help=f"KV-cache positions per sequence, at most the model's max_position_embeddings (default "
+                        f"{PLAN_CONTEXT}, or the model's max_position_embeddings if smaller)")
     p.add_argument("--tokens", type=at_least(1), default=128, help="widest step, tokens per sequence (default 128)")
     p.add_argument("--graph-widths", type=int_list(1, MAX_STEP_WIDTH), default=DEFAULT_WIDTHS, metavar="W,W,...",
                    help=f"captured CUDA-graph widths (default {','.join(map(str, DEFAULT_WIDTHS))})")
-    p.add_argument("--gpu-memory-gb", type=float, default=None, help="memory per GPU (default: GPU 0's, if any)")
+    p.add_argument("--interconnect", choices=INTERCONNECTS, default="nvlink",
+                   help="whose workspace the fused op holds: FlashInfer's TensorRT-LLM kernel (nvlink: NVLink / NVSwitch "
+                        "GPUs) or its PCIe all-reduce (pcie: PCIe-only GPUs) (default nvlink)")
+    p.add_argument("--gpu-memory-gb", type=positive_float, default=None, help="memory per GPU in GB (default: GPU 0's, if any)")
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON to PATH (default: none)")
 
 
 def _plan_command(args) -> int:
-    import dataclasses
-
-    import torch
-
-    from fxfuse.models.presets import get_preset
+    from fxfuse.models.presets import TEXT_OF_MULTIMODAL
     from fxfuse.models.quant.scheme import checkpoint_format
-    from fxfuse.runner.memory_plan import PlanError, PlanInputs, device_memory_bytes, plan_memory
-    from fxfuse.runner.options import resolve_model
+    from fxfuse.runner.options import check_tp, resolve_model
 
-    if args.json:
+    if args.json is not None:
         check_output_file(args.json, "--json")
     if args.checkpoint:
         config, name = resolve_model(None, args.checkpoint, args.layers)
         with open(os.path.join(args.checkpoint, "config.json")) as f:
-            stored = checkpoint_format(json.load(f))
+            hf = json.load(f)
+        stored, multimodal = checkpoint_format(hf), "text_config" in hf
     else:
         name = args.preset or "deepseek-v3"
-        config, stored = get_preset(name, layers=args.layers), checkpoint_format({})
-    config.check_tensor_parallel(args.tp)
+        config, _ = resolve_model(name, None, args.layers)
+        stored, multimodal = checkpoint_format({}), name in TEXT_OF_MULTIMODAL
+    check_tp(config, args.tp)
+    widest = max(args.tokens, *args.graph_widths)
+    context = min(PLAN_CONTEXT, config.max_position_embeddings) if args.context is None else args.context
+    if context > config.max_position_embeddings:
+        raise ValueError(f"--context {context} is more than the model's max_position_embeddings ({config.max_position_embeddings})")
+    if widest > context:
+        raise ValueError(f"--context {context} is shorter than the widest step ({widest} tokens of --tokens or --graph-widths)")
+
+    import dataclasses
+
+    import torch
+
+    from fxfuse.runner.memory_plan import GB, PlanError, PlanInputs, device_memory_bytes, plan_memory
+
     inputs = PlanInputs(tp=args.tp, weights=args.weights or stored.weights, dtype=getattr(torch, args.dtype), batch=args.batch,
-                        context=args.context, step_tokens=args.tokens, graph_widths=tuple(args.graph_widths),
-                        fused_workspace=True, fp8_block=stored.fp8_block, int4_group=stored.int4_group)
+                        context=context, step_tokens=args.tokens, graph_widths=tuple(args.graph_widths),
+                        fused_workspace=True, fp8_block=stored.fp8_block, int4_group=stored.int4_group,
+                        interconnect=args.interconnect)
     plan = plan_memory(config, inputs, name)
-    available = int(args.gpu_memory_gb * 1e9) if args.gpu_memory_gb else (device_memory_bytes() if torch.cuda.is_available() else None)
+    available = (int(args.gpu_memory_gb * GB) if args.gpu_memory_gb is not None
+                 else device_memory_bytes() if torch.cuda.is_available() else None)
     print(plan.table(available))
-    if args.json:
+    if multimodal:
+        print(f"- {name} is the text model of a multimodal checkpoint: its vision encoder is neither loaded by `fxfuse run` nor counted here")
+    if args.json is not None:
         write_json(args.json, {"model": name, **{k: str(v) if k == "dtype" else v for k, v in dataclasses.asdict(inputs).items()},
-                               "parts_bytes": plan.parts, "total_bytes": plan.total_bytes, "available_bytes": available})
+                               "parts_bytes": plan.parts, "total_bytes": plan.total_bytes, "available_bytes": available,
+                               "workspace_tokens": plan.workspace_tokens, "assumptions": plan.assumptions(),
+                               "vision_encoder_counted": False if multimodal else None})
     if available is not None:
         try:
             plan.check(available, config)
@@ -299,13 +362,23 @@ def _add_tune_parser(commands) -> None:
 
 
 def _tune_command(args) -> int:
+    from fxfuse.runner.op_settings import checked_op_settings
     from fxfuse.runner.tune_pcie import main as tune_main
 
+    checked_op_settings()  # FXFUSE_PCIE_PROFILE and the other settings the workspace is made with
     start = args.argv.index("pcie", args.argv.index("tune") + 1) + 1
     return tune_main([a for a in args.argv[start:] if a != "--verbose"])
 
 
+#: Benchmarks that run the fused op: the op's settings are checked before they start.
+BENCHMARKS_WITH_THE_OP = ("kernel", "fallback", "model")
+
+
 def _bench_command(args) -> int:
+    if args.benchmark in BENCHMARKS_WITH_THE_OP and (args.benchmark != "model" or "fxfuse" in args.backends.split(",")):
+        from fxfuse.runner.op_settings import checked_op_settings
+
+        checked_op_settings()
     module = importlib.import_module(BENCHMARKS[args.benchmark][0])
     return module.main(_benchmark_argv(args.argv, args.benchmark))
 
@@ -329,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     args.argv = argv
     try:
-        return args.handler(args)
+        with _sigterm_raises():
+            return args.handler(args)
     except ValueError as exc:  # bad input (RunError, a config the model cannot run) or a failed write
         print(f"fxfuse: error: {exc}", file=sys.stderr)
         return 2
@@ -338,3 +412,29 @@ def main(argv: list[str] | None = None) -> int:
         if args.verbose:
             print(exc.traceback, file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # the launcher has stopped the ranks on the way here
+        print("fxfuse: error: interrupted (Ctrl-C)", file=sys.stderr)
+        return INTERRUPTED_STATUS
+    except Terminated:
+        print("fxfuse: error: terminated (SIGTERM)", file=sys.stderr)
+        return TERMINATED_STATUS
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """While the block runs (in the main thread), SIGTERM raises `Terminated` once, so every `finally` on
+    the way out runs (the launcher's stops the ranks); a second SIGTERM during that clean-up is ignored.
+    The previous handler is restored afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _raise_terminated(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated()

@@ -1,16 +1,18 @@
 """Argument handling shared by the `fxfuse` command and its benchmarks; imports no torch.
 
 `CommandParser` is an `argparse.ArgumentParser` whose usage errors are one line,
-`fxfuse: error: <what is wrong> (see `<command> --help`)`, with exit status 2. `at_least` and
-`int_list` are argument types whose errors name the bad value. `check_output_file` and
-`check_output_dir` refuse an output path that cannot be written before any work starts;
+`fxfuse: error: <what is wrong> (see `<command> --help`)`, with exit status 2. `at_least`,
+`positive_float` and `int_list` are argument types whose errors name the bad value. `check_output_file`
+and `check_output_dir` refuse an output path that cannot be written before any work starts;
 `write_json` turns a failed write into a `ValueError` naming the file.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -47,6 +49,17 @@ def at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number above 0 (`0`, `-96`, `nan` and `inf` are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0 (got {text!r})")
+    return value
+
+
 def int_list(low: int, high: int) -> Callable[[str], tuple[int, ...]]:
     """An argparse type: comma-separated integers, each in [low, high], e.g. `1,2,4` -> (1, 2, 4)."""
 
@@ -76,15 +89,27 @@ def comma_subset(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
 
 
 def check_output_file(path: str | os.PathLike, flag: str) -> None:
-    """Raise ValueError unless a file can be written at `path` (its folder exists and is writable)."""
+    """Raise ValueError unless a file can be written at `path`: not empty, not a directory, its folder
+    exists, and the file opens for writing (tried: a new file is created and removed again, so a folder
+    that refuses files, such as /proc, is found out now rather than after the work)."""
+    if not os.fspath(path):
+        raise ValueError(f"{flag}: the path is empty")
     target = Path(path)
     if target.is_dir():
         raise ValueError(f"{flag} {path}: is a directory, not a file")
     folder = target.parent
     if not folder.is_dir():
         raise ValueError(f"{flag} {path}: directory {str(folder)!r} does not exist")
-    if not os.access(folder, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise ValueError(f"{flag} {path}: not writable")
+    created = not target.exists()
+    flags = os.O_WRONLY | os.O_NONBLOCK | (os.O_CREAT | os.O_EXCL if created else os.O_APPEND)
+    try:
+        os.close(os.open(target, flags, 0o644))
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise ValueError(f"{flag} {path}: not writable") from None
+        raise ValueError(f"{flag} {path}: cannot {'create' if created else 'open'} the file ({exc.strerror or exc})") from None
+    if created:
+        target.unlink(missing_ok=True)
 
 
 def check_output_dir(path: str | os.PathLike, flag: str) -> None:

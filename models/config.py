@@ -4,7 +4,9 @@
 It reads both rope spellings (old `rope_scaling` + `rope_theta`, transformers-5 `rope_parameters`),
 writes a dict DeepseekV3Config accepts, and says up front which tensor-parallel sizes fit.
 Only what the reference model implements is accepted (YaRN or no rope scaling, sigmoid routing,
-SiLU, no attention bias, MLA with every head its own key/value); anything else is a ValueError.
+SiLU, no attention bias, MLA with every head its own key/value); anything else is a ValueError, and so
+is a config.json that is not a JSON object, lacks the fields that give the model its size
+(`REQUIRED_FIELDS`) or holds a value of the wrong type (`"hidden_size": "thirty-two"`, a negative size).
 """
 
 from __future__ import annotations
@@ -14,6 +16,12 @@ import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
+
+#: Fields a config.json must name: without them it describes no model (an empty `{}` would silently
+#: read as the full DeepSeek-V3 of DeepseekV3Config's defaults).
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+#: Integer fields that may be 0 (every other integer size must be at least 1).
+ZERO_ALLOWED = frozenset({"n_shared_experts", "first_k_dense_replace"})
 
 
 @dataclass(frozen=True)
@@ -92,7 +100,9 @@ class ModelConfig:
     hidden_act: str = "silu"
 
     def __post_init__(self) -> None:
-        problems = []
+        problems = _type_problems(self)
+        if problems:  # the checks below do arithmetic on these values
+            raise ValueError("unsupported DeepSeek-V3 config: " + "; ".join(problems))
         if self.scoring_func != "sigmoid":
             problems.append(f"scoring_func {self.scoring_func!r} (only 'sigmoid' is implemented)")
         if self.hidden_act != "silu":
@@ -107,8 +117,6 @@ class ModelConfig:
             problems.append("num_experts_per_tok exceeds the experts in the selected groups")
         if self.qk_rope_head_dim % 2:
             problems.append(f"qk_rope_head_dim {self.qk_rope_head_dim} must be even")
-        if self.num_hidden_layers < 1:
-            problems.append(f"num_hidden_layers {self.num_hidden_layers} must be >= 1")
         if problems:
             raise ValueError("unsupported DeepSeek-V3 config: " + "; ".join(problems))
 
@@ -192,8 +200,15 @@ class ModelConfig:
         A multimodal wrapper's config (Kimi-K2.5: `KimiK25ForConditionalGeneration` with the
         DeepSeek-V3 text model in `text_config`) gives its text model's config.
         """
-        if isinstance(hf.get("text_config"), dict):
+        if not isinstance(hf, dict):
+            raise ValueError(f"config.json must hold a JSON object, not a {_json_type(hf)}")
+        if "text_config" in hf:
+            if not isinstance(hf["text_config"], dict):
+                raise ValueError(f"text_config must be a JSON object, not a {_json_type(hf['text_config'])}")
             hf = hf["text_config"]
+        missing = [name for name in REQUIRED_FIELDS if name not in hf]
+        if missing:
+            raise ValueError(f"config.json has no {', '.join(missing)}: not a DeepSeek-V3 model config")
         if hf.get("num_key_value_heads") not in (None, hf.get("num_attention_heads", cls.num_attention_heads)):
             raise ValueError("MLA needs num_key_value_heads == num_attention_heads")
         if hf.get("attention_bias"):
@@ -240,6 +255,8 @@ class ModelConfig:
 def _read_rope(hf: dict[str, Any]) -> tuple[float, YarnScaling | None]:
     """(rope_theta, YaRN scaling or None) from either rope spelling of a config.json dict."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"rope_scaling / rope_parameters must be a JSON object, not a {_json_type(params)}")
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
@@ -260,6 +277,35 @@ def _read_rope(hf: dict[str, Any]) -> tuple[float, YarnScaling | None]:
         attention_factor=params.get("attention_factor"),
         truncate=bool(params.get("truncate", True)),
     )
+
+
+def _type_problems(config: ModelConfig) -> list[str]:
+    """What is wrong with the types of `config`'s values: integers (sizes at least 1, or 0 where
+    `ZERO_ALLOWED`), finite numbers, booleans and strings as the field annotations say."""
+    problems = []
+    for f in fields(config):
+        value = getattr(config, f.name)
+        kind = f.type.replace(" | None", "")
+        if value is None and f.type.endswith("| None"):
+            continue
+        if kind == "int":
+            if not isinstance(value, int) or isinstance(value, bool):
+                problems.append(f"{f.name} {value!r} must be an integer")
+            elif value < (0 if f.name in ZERO_ALLOWED else 1):
+                problems.append(f"{f.name} {value} must be at least {0 if f.name in ZERO_ALLOWED else 1}")
+        elif kind == "float" and (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)):
+            problems.append(f"{f.name} {value!r} must be a finite number")
+        elif kind == "bool" and not isinstance(value, bool):
+            problems.append(f"{f.name} {value!r} must be true or false")
+        elif kind == "str" and not isinstance(value, str):
+            problems.append(f"{f.name} {value!r} must be a string")
+    return problems
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type: object, list, string, number, boolean or null."""
+    names = {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}
+    return names.get(type(value), "number")
 
 
 def _gated_mlp_shapes(prefix: str, hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:

@@ -1,7 +1,9 @@
 """Named model configurations: a tiny CPU test model and the published DeepSeek-V3, Kimi-K2 and Kimi-K2.5 shapes.
 
 `get_preset(name, layers=None)` returns a `ModelConfig`; `layers` keeps the full width but
-changes the depth (benchmarks on fewer GPUs, quick traces of the real shapes).
+changes the depth (benchmarks on fewer GPUs, quick traces of the real shapes). `PRESETS` names them
+all (the command line's help lists them from it); `TEXT_OF_MULTIMODAL` those that are the text model
+of a multimodal checkpoint.
 """
 
 from __future__ import annotations
@@ -145,6 +147,9 @@ _CONFIGS = {"tiny": TINY, "deepseek-v3": DEEPSEEK_V3, "kimi-k2": KIMI_K2, "kimi-
 
 #: Names `get_preset` accepts.
 PRESETS = tuple(_CONFIGS)
+#: Presets that are the text model of a multimodal checkpoint: their vision encoder is no part of the
+#: config, so nothing built from them (the model, the memory plan) holds or counts it.
+TEXT_OF_MULTIMODAL = frozenset({"kimi-k2.5"})
 
 
 def get_preset(name: str, layers: int | None = None) -> ModelConfig:

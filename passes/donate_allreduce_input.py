@@ -8,6 +8,14 @@ as written). Inductor's re-inplacing pass, which runs after the custom post-grad
 the op `x` itself where `x` has no later use and aliases no graph input, and a copy elsewhere: the
 same analysis it applies to its own collectives. The values of the graph do not change.
 
+A call whose residual or weight may share memory with `x` is never donated: the kernel would
+all-reduce into `x` and then read the residual (or weight) it just overwrote, and Inductor's analysis
+does not see that hazard, because the reads come from the very call that writes. "May share" means
+that walking back through view ops (every op whose schema says its result aliases its input, plus
+`_unsafe_view`) from both arguments reaches one node; Inductor removes a user's `clone()` of `x`
+before this pass runs, so a cloned residual counts as `x` itself. The kernels check for overlapping
+memory too (`fxfuse.op.reference.may_overlap`), in case some later rewrite brings the two together.
+
 Eager-inner compiles skip this pass (nothing would re-inplace there); the graphs recorded by the
 backend are those before it.
 """
@@ -23,14 +31,19 @@ from torch._higher_order_ops.auto_functionalize import auto_functionalized
 from fxfuse.op.schema import DONATING_TWIN, FUSED_OPS
 
 ARGUMENT_NAMES = ("x", "residual", "weight", "eps", "group_name")
+#: Views whose schema does not declare the alias (the "unsafe" view).
+UNDECLARED_VIEWS = frozenset({torch.ops.aten._unsafe_view.default})
 
 
 def run(graph: torch.fx.Graph) -> int:
-    """Rewrite every functional fused-op call in `graph` to its donating twin; returns how many."""
+    """Rewrite every functional fused-op call in `graph` whose `x` shares no memory with its residual
+    or weight to its donating twin; returns how many."""
     rewritten = 0
     for op in FUSED_OPS:
         for node in list(graph.find_nodes(op="call_function", target=op)):
             kwargs = dict(zip(ARGUMENT_NAMES, node.args), **node.kwargs)
+            if shares_memory_with_x(kwargs):
+                continue
             with graph.inserting_before(node):
                 wrapped = graph.call_function(auto_functionalized, (DONATING_TWIN[op],), kwargs)
             normed, residual_out = node.meta["val"]
@@ -46,3 +59,38 @@ def run(graph: torch.fx.Graph) -> int:
             graph.erase_node(node)
             rewritten += 1
     return rewritten
+
+
+def shares_memory_with_x(arguments: dict) -> bool:
+    """Whether the call's residual or weight may be a view of the same memory as its `x`."""
+    x_base = view_base(arguments["x"])
+    return any(
+        isinstance(arguments[name], torch.fx.Node) and view_base(arguments[name]) is x_base
+        for name in ("residual", "weight")
+    )
+
+
+def view_base(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose memory `node` views: follow view ops (and `getitem` of a multi-output view
+    such as `split`) back to the first node that is not one."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        source = node.args[0] if node.args else None
+        if node.target is operator.getitem and isinstance(source, torch.fx.Node) and _is_view(source):
+            node = source
+        elif _is_view(node) and isinstance(source, torch.fx.Node):
+            node = source
+        else:
+            break
+    return node
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    """Whether `node` calls an op whose result aliases its first argument's memory."""
+    target = node.target
+    if target in UNDECLARED_VIEWS:
+        return True
+    schema = getattr(target, "_schema", None)
+    if schema is None or schema.is_mutable or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write

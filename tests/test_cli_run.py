@@ -1,10 +1,12 @@
-"""`fxfuse run`: the built-in job end to end on 2 CPU ranks, its summary, its progress lines, and clean
-errors for bad input (one `fxfuse: error:` line, exit status 2, before any work)."""
+"""`fxfuse run`: the built-in job end to end on 2 CPU ranks (the fxfuse backend, checked against eager), its
+summary, its progress lines, and clean errors for bad input (one `fxfuse: error:` line, exit status 2,
+before any work)."""
 
 import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,9 +17,10 @@ from fxfuse.cli import format_run_summary, main
 @pytest.mark.slow
 def test_run_tiny_tp2_matches_transformers(tmp_path):
     out = tmp_path / "out.json"
-    assert main(["run", "--compare", "hf", "--json", str(out)]) == 0
+    assert main(["run", "--backend", "eager", "--compare", "hf", "--json", str(out)]) == 0
     summary = json.loads(out.read_text())
     assert summary["tp"] == 2 and summary["device"] == "cpu" and summary["backend"] == "eager"
+    assert summary["inner_compiler"] is None and summary["options"]["inner"] is None and summary["weights"] == "bf16"
     assert summary["max_rel_err"] is not None and summary["max_rel_err"] <= 1e-4
     assert summary["step_ms"] > 0 and summary["step_ms_p90"] >= summary["step_ms"]
     assert summary["tokens_per_s"] == pytest.approx(summary["batch"] * 1000 / summary["step_ms"])
@@ -26,29 +29,43 @@ def test_run_tiny_tp2_matches_transformers(tmp_path):
     assert summary["rank"] == 0 and summary["options"]["preset"] == "tiny"
     assert summary["peak_gpu_mem_gb"] is None
     assert summary["allreduce_sites"] is None and summary["fused_sites"] is None  # only the fxfuse backend fuses
+    assert summary["fused_op"] is None
     assert len(summary["tokens"]) == 1 + summary["steps"]  # one token from prefill, one per 1-token step
     assert summary["accepted_drafts"] == [[0, 0]] * summary["steps"]  # 1-token steps carry no drafts
 
 
 @pytest.mark.slow
-def test_fxfuse_backend_fuses_every_site_and_matches_eager(tmp_path, capfd):
-    """tp=2 on CPU: the fxfuse backend (passes, then Inductor) fuses all 1 + 2 * 4 all-reduce sites of
-    the tiny model; logits match the eager model step for step; rank 0 alone reports progress, and
-    compiling has its own lines: the shapes compiled and the layers dynamo traced."""
+def test_the_built_in_job_fuses_every_site_and_matches_eager(tmp_path, capfd):
+    """`fxfuse run` alone (what `scripts/dev run` runs): tp=2 on CPU, the fxfuse backend (passes, then
+    eager) fuses all 1 + 2 * 4 all-reduce sites of the tiny model; logits match the eager model step
+    for step; the summary says so, and what the op ran. Rank 0 alone reports progress, and compiling
+    has its own lines: the shapes compiled and the layers dynamo traced."""
     out = tmp_path / "out.json"
-    argv = ["run", "--backend", "fxfuse", "--compare", "eager", "--tokens", "4", "--steps", "2", "--json", str(out)]
-    assert main(argv) == 0
+    assert main(["run", "--json", str(out)]) == 0
     summary = json.loads(out.read_text())
+    assert (summary["backend"], summary["inner_compiler"], summary["compare"]) == ("fxfuse", "eager", "eager")
     assert summary["allreduce_sites"] == summary["fused_sites"] == 9
+    assert summary["fused_op"] == "the CPU reference kernel: gloo all-reduce + float32 RMSNorm"
     assert summary["max_rel_err"] <= 1e-4
-    err = capfd.readouterr().err
+    captured = capfd.readouterr()
+    assert "backend fxfuse (fusion passes, then eager)" in captured.out
+    assert ("fxfuse fused 9 of 9 all-reduce sites; the fused op ran the CPU reference kernel: gloo all-reduce + "
+            "float32 RMSNorm") in captured.out
+    assert "4 steps of 1 token:" in captured.out and "max relative error vs eager (the same model uncompiled" in captured.out
+    err = captured.err
     assert err.count("building tiny (4 layers, random weights)") == 2  # one start and one done line, rank 0 only
-    for shape in ("prefill, 2 x 12 tokens (1/2;", "verify step, 2 x 4 tokens (2/2;"):
+    for shape in ("prefill, 2 x 12 tokens (1/2;", "verify step, 2 x 1 tokens (2/2;"):
         compiling = [line for line in err.splitlines() if f"fxfuse: compiling the {shape}" in line]
-        assert compiling[0].endswith(") ...") and ": done in " in compiling[-1]  # between them: still running
+        assert compiling[0].endswith("fxfuse passes and eager) ...") and ": done in " in compiling[-1]
         assert sum(line.endswith(") ...") for line in compiling) == 1  # rank 0 only
     assert err.count("fxfuse: dynamo traced layer 4/4") >= 1  # once per compile that traces the model
-    assert err.count("verify steps of 2 x 4 tokens: 2/2") == 1
+    assert err.count("verify steps of 2 x 1 tokens: 4/4") == 1
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert not [key for key in summary if f"`{key}`" not in readme]  # the README documents every summary field
+    sample = readme.split("## What `scripts/dev run` shows", 1)[1].split("```\n", 2)[1].splitlines()
+    printed = captured.out.splitlines()
+    # the README's sample is this output, timings aside
+    assert [line for i, line in enumerate(sample) if i != 2] == [line for i, line in enumerate(printed) if i != 2]
 
 
 @pytest.mark.slow
@@ -56,8 +73,8 @@ def test_multi_token_verify_steps_generate_the_greedy_sequence():
     """Speculative verify with 4-token steps must reproduce one-token greedy decoding exactly."""
     from fxfuse.runner.run import RunOptions, run
 
-    one = run(RunOptions(tokens_per_step=1, steps=8, tp=1))
-    four = run(RunOptions(tokens_per_step=4, steps=3, tp=1))
+    one = run(RunOptions(tokens_per_step=1, steps=8, tp=1, backend="eager", compare="none"))
+    four = run(RunOptions(tokens_per_step=4, steps=3, tp=1, backend="eager", compare="none"))
     n = min(len(one["tokens"]), len(four["tokens"]))
     assert n >= 4
     assert four["tokens"][:n] == one["tokens"][:n]
@@ -71,8 +88,25 @@ def test_multi_token_verify_steps_generate_the_greedy_sequence():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["run", "--preset", "nope"], "unknown model preset 'nope'; choose one of: tiny, deepseek-v3, kimi-k2"),
+        (["run", "--preset", "nope"], "unknown model preset 'nope'; choose one of: tiny, deepseek-v3, kimi-k2, kimi-k2.5"),
         (["run", "--tp", "3"], "tensor parallel size 3 does not divide"),
+        (["run", "--tp", "100000"], "tensor-parallel sizes that fit this model: 1, 2, 4"),
+        (["run", "--graph-widths", "1,2"], "--graph-widths needs --device cuda"),
+        (["run", "--backend", "eager", "--inner", "eager"], "--inner applies to --backend fxfuse only"),
+        (["run", "--batch", "1000000000"], "of this machine's memory (2 ranks x"),  # the memory plan, before any rank
+        (["run", "--json", ""], "--json: the path is empty"),
+        (["run", "--json", "/proc/fxfuse.json"], "--json /proc/fxfuse.json: cannot create the file"),
+        (["report", "--json", ""], "--json: the path is empty"),
+        (["report", "--tp", "3"], "tensor-parallel sizes that fit this model: 1, 2, 4"),
+        (["plan", "--gpu-memory-gb", "0"], "argument --gpu-memory-gb: must be a finite number above 0 (got '0')"),
+        (["plan", "--gpu-memory-gb", "-96"], "must be a finite number above 0 (got '-96')"),
+        (["plan", "--gpu-memory-gb", "nan"], "must be a finite number above 0 (got 'nan')"),
+        (["plan", "--gpu-memory-gb", "inf"], "must be a finite number above 0 (got 'inf')"),
+        (["plan", "--gpu-memory-gb", "lots"], "argument --gpu-memory-gb: expected a number, got 'lots'"),
+        (["plan", "--preset", "tiny", "--tp", "2", "--context", "100000"],
+         "--context 100000 is more than the model's max_position_embeddings (256)"),
+        (["plan", "--preset", "tiny", "--tp", "2", "--context", "64"], "--context 64 is shorter than the widest step (128"),
+        (["plan", "--tp", "3"], "tensor-parallel sizes that fit this model: 1, 2, 4, 8, 16, 32, 64, 128"),
         (["run", "--device", "cuda"], "no CUDA GPU"),
         (["run", "--checkpoint", "/nonexistent/ckpt"], "the directory does not exist"),
         (["run", "--tokens", "0"], "argument --tokens: must be at least 1 (got 0)"),
@@ -175,10 +209,11 @@ def test_a_failed_write_at_the_end_keeps_the_results_and_exits_2(tmp_path, monke
     import fxfuse.runner.run
 
     target = tmp_path / "out.json"
-    summary = {"rank": 0, "tp": 2, "device": "cpu", "backend": "eager", "dtype": "float32", "model": "tiny",
+    summary = {"rank": 0, "tp": 2, "device": "cpu", "backend": "eager", "inner_compiler": None, "dtype": "float32",
+               "weights": "bf16", "model": "tiny",
                "layers": 4, "batch": 2, "prompt_len": 12, "tokens_per_step": 1, "steps": 4, "cuda_graph": False,
                "graph_widths": [], "compare": "none", "max_rel_err": None, "step_ms": 2.0, "step_ms_p90": 3.0,
-               "tokens_per_s": 1000.0, "peak_gpu_mem_gb": None, "fused_sites": None, "tokens": [1, 2, 3, 4, 5],
+               "tokens_per_s": 1000.0, "peak_gpu_mem_gb": None, "fused_sites": None, "fused_op": None, "tokens": [1, 2, 3, 4, 5],
                "accepted_drafts": [[0, 0]] * 4}
 
     def run_prepared(setup):
@@ -211,3 +246,65 @@ def test_help_describes_the_default_job():
     out = subprocess.run([sys.executable, "-m", "fxfuse", "run", "--help"], capture_output=True, text=True, check=True)
     assert "tiny preset" in out.stdout and "--compare" in out.stdout and "--tokens" in out.stdout
     assert "--cuda-graph" in out.stdout and "--no-cuda-graph" in out.stdout and "--graph-widths" in out.stdout
+    assert "fxfuse backend" in out.stdout and "--inner" in out.stdout
+
+
+@pytest.mark.parametrize("command", ["run", "report", "plan"])
+def test_help_lists_every_preset_of_the_registry(command, capsys):
+    from fxfuse.models.presets import PRESETS
+
+    assert main([command, "--help"]) == 0
+    assert "built-in model config: " + ", ".join(PRESETS) in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_checkpoint_that_is_a_file_is_named(tmp_path, capsys):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert main(["run", "--checkpoint", str(tmp_path / "model.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "is a file; give the directory that holds config.json and the .safetensors files" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_damaged_checkpoint_is_refused_before_any_rank(damage, tmp_path, monkeypatch, capsys):
+    """The safetensors headers are read in the launching process: a truncated or missing weights file is
+    one error line there, and no rank starts."""
+    import fxfuse.runner.run
+    from checkpoint_helpers import save_tiny_hf_checkpoint
+
+    save_tiny_hf_checkpoint(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    else:
+        weights.unlink()
+    capsys.readouterr()  # the checkpoint writer's progress bar
+
+    def no_ranks(setup):
+        raise AssertionError("a rank started")
+
+    monkeypatch.setattr(fxfuse.runner.run, "run_prepared", no_ranks)
+    assert main(["run", "--checkpoint", str(tmp_path), "--backend", "eager"]) == 2
+    err = capsys.readouterr().err
+    expected = "file not fully covered" if damage == "truncated" else "no model.safetensors or model.safetensors.index.json"
+    assert err.startswith(f"fxfuse: error: checkpoint {tmp_path} cannot be loaded: ") and expected in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("content", ["[1, 2]", '{"hidden_size": "thirty-two", "vocab_size": 8, "num_hidden_layers": 1, '
+                                     '"num_attention_heads": 2}', "{}"])
+@pytest.mark.parametrize("command", ["run", "report", "plan"])
+def test_a_malformed_config_json_is_one_error_line(command, content, tmp_path, capsys):
+    (tmp_path / "config.json").write_text(content)
+    assert main([command, "--checkpoint", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fxfuse: error: cannot read {tmp_path / 'config.json'}: ") and err.count("\n") == 1
+
+
+def test_benchmarks_say_where_they_wrote_their_files(tmp_path, monkeypatch, capsys):
+    """The default --out-dir is relative (bench/results of the current directory): the files are listed by
+    absolute path, so a run from another folder says where its results went."""
+    from fxfuse.bench.output import publish
+
+    monkeypatch.chdir(tmp_path)
+    publish({}, "model", ["--device", "cpu"], lambda report: [Path("bench/results/x.json")], lambda report: "table")
+    assert capsys.readouterr().out == f"wrote {tmp_path}/bench/results/x.json\ntable\n"

@@ -29,6 +29,12 @@ CASES = [
     (["report", "--preset", "nope"], 2),
     (["bench"], 2),
     (["bench", "model", "--repeats", "0"], 2),
+    (["plan", "--help"], 0),
+    (["plan", "--tp", "3"], 2),
+    (["plan", "--gpu-memory-gb", "inf"], 2),
+    (["plan", "--preset", "tiny", "--tp", "2", "--context", "100000"], 2),
+    (["run", "--graph-widths", "1,2"], 2),
+    (["run", "--json", ""], 2),
 ]
 
 

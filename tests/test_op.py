@@ -198,7 +198,7 @@ def test_cuda_dispatch_nccl_plan_matches_the_reference_and_caches_its_plan():
         assert case0["padded_ptr_mod_16"] != 0
     # one plan per (shape, dtype, residual) key, not per call: 4 keys, 12 calls
     assert rank0["plans_built"] == 4 and rank0["plans_after_forget"] == 5
-    assert "must be [..., hidden], the same shape, and [hidden]" in rank0["bad_weight"]
+    assert "weight [99] must be [hidden] = [100]" in rank0["bad_weight"]
     assert rank0["stats"]["fused"] == {}
     assert sum(rank0["stats"]["fallback"].values()) == 12
     assert all("PCIe group, but PCIe all-reduce unavailable" in reason for reason in rank0["stats"]["fallback"])

@@ -1,6 +1,7 @@
 """The memory plan (`fxfuse plan`, fxfuse/runner/memory_plan.py) against bytes counted by hand for the
-aligned tiny model at tp=2 in each weight format, the fit check's message and its "would fit"
-suggestions, the command's exit codes, and the run refusing a model that does not fit before any rank
+aligned tiny model at tp=2 in each weight format, the fused-op workspace it assumes (capped as the op caps
+it, or the PCIe all-reduce's), the fit check's message and its "would fit" suggestions, what the plan
+says it assumed, the command's exit codes, and the run refusing a model that does not fit before any rank
 starts."""
 
 from __future__ import annotations
@@ -106,3 +107,43 @@ def test_plan_command_prints_and_exits_by_fit(tmp_path, capsys):
 def test_run_refuses_a_layout_tp_cannot_split_before_starting_ranks(capsys):
     assert main(["run", "--weights", "fp8", "--tp", "2"]) == 2
     assert "cannot keep FP8 weights split by num_attention_heads at tensor-parallel size 2: each rank's 48 rows" in capsys.readouterr().err
+
+
+def test_the_workspace_is_the_tensorrt_llm_kernels_capped_as_the_op_caps_it_or_the_pcie_all_reduces():
+    from dataclasses import replace
+
+    from fxfuse.op.pcie_kernels import pcie_workspace_bytes
+    from fxfuse.op.policy import trtllm_token_cap
+    from fxfuse.op.workspace import workspace_bytes
+
+    inputs = PlanInputs(tp=2, weights="bf16", dtype=torch.bfloat16, batch=40_000, context=128, step_tokens=128, fused_workspace=True)
+    nvlink = plan_memory(TINY_ALIGNED, inputs, "tiny-aligned")
+    cap = trtllm_token_cap(2, 64)
+    assert cap < 40_000 * 128 and nvlink.workspace_tokens == cap  # larger calls run the op's NCCL fallback
+    assert nvlink.workspace_bytes == workspace_bytes(2, cap, 64, torch.bfloat16)
+    assert f"FlashInfer's TensorRT-LLM kernel (NVLink / NVSwitch GPUs) for {cap} tokens" in nvlink.table()
+    pcie = plan_memory(TINY_ALIGNED, replace(inputs, interconnect="pcie"), "tiny-aligned")
+    assert pcie.workspace_tokens == 40_000 * 128
+    assert pcie.workspace_bytes == pcie_workspace_bytes(2, 40_000 * 128, 64, torch.bfloat16)
+    assert "fxfuse tune pcie --world-size 2 --hidden 64 --max-tokens 5120000" in pcie.table()
+    assert plan_memory(TINY_ALIGNED, replace(inputs, device="cpu"), "tiny-aligned").workspace_bytes == 0
+
+
+def test_plan_gives_its_advice_and_says_what_it_assumed(capsys):
+    """Kimi-K2.5 INT4 at tp 8 and batch 64 does not fit 96 GB: the advice is printed, though trying tp 16
+    meets a TensorRT-LLM workspace above the kernel's limit (the plan caps it as the op does), and the
+    plan says which workspace and reserve it assumed and that the vision encoder is not counted."""
+    argv = ["plan", "--preset", "kimi-k2.5", "--weights", "int4", "--tp", "8", "--gpu-memory-gb", "96", "--batch", "64",
+            "--context", "4096"]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert "does NOT fit in 96.00 GB" in out
+    assert "- fused-op workspace: FlashInfer's TensorRT-LLM kernel (NVLink / NVSwitch GPUs) for 8192 tokens" in out
+    assert "(--interconnect pcie; tune it with `fxfuse tune pcie`)" in out
+    assert "- reserve: a fixed 2.15 GB for the CUDA context, cuBLAS and NCCL workspaces and the compiler" in out
+    assert "- kimi-k2.5 is the text model of a multimodal checkpoint: its vision encoder is neither loaded" in out
+    assert err.startswith("fxfuse: error: kimi-k2.5 needs ") and err.count("\n") == 1
+    assert "would fit: --batch " in err and "--tp 16" in err
+    assert "GiB" not in out + err  # one unit: GB
+    assert main([*argv, "--interconnect", "pcie"]) == 2
+    assert "fxfuse tune pcie --world-size 8 --hidden 7168 --max-tokens 8192" in capsys.readouterr().out

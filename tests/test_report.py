@@ -321,3 +321,21 @@ def test_report_compiled_lists_reduce_scatter_sites():
     (row,) = report.sites
     assert (row.collective, row.fused, report.allreduce_sites) == ("reduce_scatter", False, 0)
     assert row.reason.startswith("`reduce_scatter_tensor` is a reduce-scatter (sequence parallel), not an all-reduce")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fusion, says", [("off", "FXFUSE_FUSION=off: every fused site runs the NCCL all-reduce"),
+                                          ("auto", "fused sites run what the ranks agree on at the first call")])
+def test_the_report_says_what_fused_sites_run_under_the_settings(monkeypatch, fusion, says):
+    """`FXFUSE_FUSION=off fxfuse report` said the sites were fused and nothing else, while the run sent
+    every one of them through NCCL: the report now says what the setting makes them run."""
+    from fxfuse.op.settings import current_settings
+
+    monkeypatch.setenv("FXFUSE_FUSION", fusion)
+    current_settings.cache_clear()
+    try:
+        report = report_model(get_preset("tiny", layers=1), 2, name="tiny")
+    finally:
+        current_settings.cache_clear()
+    assert report.runtime.startswith(says) and report.table().endswith(report.runtime)
+    assert report.to_json()["runtime"] == report.runtime

@@ -1,5 +1,6 @@
 """`fxfuse run` option validation (fxfuse.runner.options), on CPU and without starting ranks: the resolved
-options the summary reports, the fused kernel's workspace size, the model resolution and the memory check."""
+options the summary reports (the built-in job: fxfuse with eager inside on CPU, checked against eager), the
+fused kernel's workspace size, the model resolution and the memory checks."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import pytest
 import torch
 
+from fxfuse.models.quant.scheme import QuantScheme
 from fxfuse.runner.options import RunError, RunOptions, prepare_run, resolve_model
 
 
@@ -22,15 +24,41 @@ def two_gpus(monkeypatch):
     monkeypatch.setattr(quant_setup, "device_memory_bytes", lambda *a: 141 * 10**9)
 
 
-def test_cpu_options_say_what_ran():
-    setup = prepare_run(RunOptions(graph_widths=(4, 1, 2, 2)))
-    assert setup.options.cuda_graph is False and setup.options.graph_widths == ()  # CPU: no CUDA graphs
-    assert setup.graph_widths == () and setup.cuda_graph is False
+def test_the_built_in_job_compiles_with_fxfuse_and_checks_itself_against_eager():
+    setup = prepare_run(RunOptions())
+    o = setup.options
+    assert (o.preset, o.tp, o.device, o.backend, o.inner, o.compare) == ("tiny", 2, "cpu", "fxfuse", "eager", "eager")
+    assert o.cuda_graph is False and o.graph_widths == ()  # CPU: no CUDA graphs
+    assert setup.graph_widths == () and setup.cuda_graph is False and setup.dynamic_shapes is False
+    assert prepare_run(RunOptions(backend="eager")).options.inner is None  # only backend fxfuse has an inner compiler
 
 
 def test_cuda_graph_widths_are_resolved_sorted_and_deduplicated(two_gpus):
     setup = prepare_run(RunOptions(device="cuda", graph_widths=(4, 1, 2, 2)))
     assert setup.options.cuda_graph is True and setup.options.graph_widths == (1, 2, 4)
+    assert setup.options.inner == "inductor" and setup.dynamic_shapes  # CUDA: Inductor, one graph for every width
+    assert prepare_run(RunOptions(device="cuda")).options.graph_widths == (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"graph_widths": (1, 2)}, "--graph-widths needs --device cuda"),
+        ({"inner": "inductor", "backend": "eager"}, "--inner applies to --backend fxfuse only (got --backend eager)"),
+        ({"inner": "tvm"}, "unknown inner compiler 'tvm'; choose one of: eager, inductor"),
+        ({"tp": 3}, "tensor-parallel sizes that fit this model: 1, 2, 4"),
+        ({"batch": 10**9}, "of this machine's memory (2 ranks x "),
+    ],
+)
+def test_bad_options_are_refused_before_any_rank(changes, message):
+    with pytest.raises(RunError) as error:
+        prepare_run(RunOptions(**changes))
+    assert message in str(error.value)
+
+
+def test_graph_widths_without_cuda_graphs_are_refused_on_cuda_too(two_gpus):
+    with pytest.raises(RunError, match=r"--graph-widths needs CUDA graphs \(drop --no-cuda-graph\)"):
+        prepare_run(RunOptions(device="cuda", cuda_graph=False, graph_widths=(1, 2)))
 
 
 @pytest.mark.parametrize(
@@ -39,8 +67,8 @@ def test_cuda_graph_widths_are_resolved_sorted_and_deduplicated(two_gpus):
         ({}, 8 * 128),  # default widths 1..128: the widest graph replays 8 x 128 tokens
         ({"graph_widths": (1, 2, 4)}, 8 * 4),
         ({"graph_widths": (1, 2), "tokens_per_step": 16}, 8 * 2),  # 16-token steps run uncaptured
-        ({"cuda_graph": False}, 8 * 4),  # no graphs: batch x tokens per step
-        ({"cuda_graph": False, "tokens_per_step": 1}, 8),
+        ({"cuda_graph": False, "graph_widths": None}, 8 * 4),  # no graphs: batch x tokens per step
+        ({"cuda_graph": False, "graph_widths": None, "tokens_per_step": 1}, 8),
     ],
 )
 def test_fused_kernel_workspace_covers_what_the_graphs_replay_not_the_prefill(two_gpus, changes, tokens):
@@ -73,7 +101,59 @@ def test_a_model_larger_than_free_memory_is_refused_on_cpu(monkeypatch):
 
     monkeypatch.setattr(options, "available_host_memory", lambda: 8 * 10**9)
     with pytest.raises(RunError, match=r"need at least 60\.4 GB .* available \(8\.0 GB\); use --preset tiny"):
-        prepare_run(RunOptions(preset="deepseek-v3", layers=4))
+        prepare_run(RunOptions(preset="deepseek-v3", layers=4, compare="none"))
     with pytest.raises(RunError, match=r"2 copies"):  # --compare eager holds a second copy
         prepare_run(RunOptions(preset="deepseek-v3", layers=4, dtype="bfloat16", compare="eager"))
     prepare_run(RunOptions())  # the tiny model fits
+
+
+def test_the_cpu_memory_plan_counts_every_rank_and_the_eager_copy(monkeypatch):
+    """On CPU all ranks share one machine: what must fit is tp x one rank's plan, the eager reference's
+    weights and KV cache included; the error says what would fit, before any rank starts."""
+    import fxfuse.runner.options as options
+    from fxfuse.models.presets import get_preset
+    from fxfuse.runner.memory_plan import PlanInputs, plan_memory
+
+    o = RunOptions(batch=4096, prompt_len=200, steps=2)
+    rank = plan_memory(get_preset("tiny"), PlanInputs(tp=2, weights="bf16", dtype=torch.float32, batch=4096, context=204,
+                                                      step_tokens=200, device="cpu", reference_copy=True))
+    assert rank.workspace_bytes == rank.reserve_bytes == rank.graph_output_bytes == 0  # nothing of CUDA's on CPU
+    assert rank.reference_bytes == rank.weight_bytes + rank.kv_cache_bytes and rank.needed_bytes == 2 * rank.total_bytes
+    monkeypatch.setattr(options, "available_host_memory", lambda: rank.needed_bytes)
+    prepare_run(o)  # exactly enough
+    monkeypatch.setattr(options, "available_host_memory", lambda: rank.needed_bytes - 1)
+    with pytest.raises(RunError) as error:
+        prepare_run(o)
+    assert f"needs {rank.needed_bytes / 1e9:.1f} GB of this machine's memory (2 ranks x" in str(error.value)
+    assert "would fit: --batch " in str(error.value) and "--compare none" in str(error.value)
+
+
+def test_a_checkpoint_file_and_bad_config_json_are_named(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(RunError, match="is a file; give the directory that holds config.json"):
+        resolve_model(None, str(tmp_path / "model.safetensors"), None)
+    for content, message in [("[1, 2]", "must hold a JSON object, not a list"),
+                             ("{}", "has no vocab_size, hidden_size, num_hidden_layers, num_attention_heads"),
+                             ('{"vocab_size": 8, "hidden_size": "thirty-two", "num_hidden_layers": 1, "num_attention_heads": 2}',
+                              "hidden_size 'thirty-two' must be an integer")]:
+        (tmp_path / "config.json").write_text(content)
+        with pytest.raises(RunError, match=message):
+            resolve_model(None, str(tmp_path), None)
+
+
+@pytest.mark.slow  # the quantization libraries' imports: about 20 s on 2 cores
+@pytest.mark.parametrize("stored, prefix", [("fp8", ""), ("int4", ""), ("int4", "language_model.")])
+def test_quantized_checkpoints_pass_the_header_check_in_every_format_they_load_as(stored, prefix, tmp_path):
+    """The check before any rank starts accepts what the loader accepts: a FP8 or INT4 checkpoint (with
+    Kimi-K2.5's multimodal prefix too) as stored, or dequantized to bf16; the other format is refused."""
+    from fxfuse.runner.checkpoint_check import check_checkpoint
+    from quant_helpers import FP8, INT4, TINY_ALIGNED, float_state, fp8_checkpoint, int4_checkpoint, save_checkpoint
+
+    scheme = FP8 if stored == "fp8" else INT4
+    tensors = (fp8_checkpoint if stored == "fp8" else int4_checkpoint)(float_state())
+    save_checkpoint(tmp_path, tensors, scheme, prefix=prefix)
+    for quant in (scheme, QuantScheme()):
+        check_checkpoint(str(tmp_path), TINY_ALIGNED, 2, torch.float32, quant)
+    other = INT4 if stored == "fp8" else FP8
+    with pytest.raises(RunError, match=f"^checkpoint {tmp_path} cannot be loaded: "):
+        check_checkpoint(str(tmp_path), TINY_ALIGNED, 2, torch.float32, other)

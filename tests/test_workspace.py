@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from fault_fakes import FakeRuntime
 
 from fxfuse.op.agreement import ConfigMismatch, fingerprint
 from fxfuse.op.cuda_ipc import SharedBufferError, close_shared_buffers, create_shared_buffers
@@ -52,7 +53,7 @@ class FakeKernels:
 
 
 def registry_for(kernels, idle=True):
-    return WorkspaceRegistry("fake", lambda: kernels, lambda *a: 0, device_idle=lambda timeout: idle)
+    return WorkspaceRegistry("fake", lambda: kernels, lambda *a: 0, streams_idle=lambda streams, timeout: idle)
 
 
 def registry_scenarios(ctx):
@@ -73,12 +74,13 @@ def registry_scenarios(ctx):
                         retired=[w.handle for w in reg.retired()], lookup_is_bigger=reg.lookup(group.group_name, 64, torch.bfloat16) is bigger)
     first.captured = True  # as note_use records when a call happens during CUDA-graph capture
     try:
-        reg.destroy(group)
+        reg.check_destroyable(group.group_name, graphs_released=False)
         report["ok"]["destroy_refused"] = False
     except RuntimeError as exc:
         report["ok"]["destroy_refused"] = "graphs_released=True" in str(exc)
     report["ok"]["nothing_freed_by_refusal"] = not any(c.startswith("destroy") for c in ok.calls)
-    reg.destroy(group, graphs_released=True)
+    reg.check_destroyable(group.group_name, graphs_released=True)
+    reg.destroy(group)
     report["ok"]["after_destroy"] = (reg.lookup(group.group_name, 64, torch.bfloat16), reg.retired())
     report["ok"]["calls"] = ok.calls
 
@@ -130,8 +132,9 @@ def test_load_failure_on_one_rank_makes_all_fall_back(reports):
         r = report["load_fails_on_1"]
         assert r["result"] is None and r["retried"] is None
         assert r["calls"] == ["load"]  # nobody created anything, nobody retried
-    assert "no kernels here" in reports[1]["load_fails_on_1"]["failure"]
-    assert "another rank" in reports[0]["load_fails_on_1"]["failure"]
+    # every rank records the same reason, naming the rank and the step that failed
+    assert reports[0]["load_fails_on_1"]["failure"] == reports[1]["load_fails_on_1"]["failure"] == (
+        "rank 1, loading the kernels (FlashInfer import and JIT): RuntimeError: no kernels here")
 
 
 @pytest.mark.slow
@@ -141,15 +144,16 @@ def test_creation_failure_on_one_rank_makes_all_fall_back(reports):
         assert r["result"] is None
         released = [f"release handle-{rank}-8"] if rank == 1 else []  # the rank that succeeded frees its part locally
         assert r["calls"] == ["load", "create 8", *released]
-    assert "out of memory" in reports[0]["create_fails_on_0"]["failure"]
-    assert "failed on another rank" in reports[1]["create_fails_on_0"]["failure"]
+    assert reports[0]["create_fails_on_0"]["failure"] == reports[1]["create_fails_on_0"]["failure"] == (
+        "rank 0, creating the workspace: MemoryError: out of memory")
 
 
 @pytest.mark.slow
 def test_ranks_asking_for_different_workspaces_all_fall_back(reports):
     for report in reports:
         r = report["requests_differ"]
-        assert r["result"] is None and r["calls"] == ["load"] and "asked for another workspace" in r["failure"]
+        assert r["result"] is None and r["calls"] == ["load"] and "the ranks asked for different things" in r["failure"]
+    assert "rank 0=('fake', 64, 'torch.bfloat16', 8), rank 1=('fake', 64, 'torch.bfloat16', 9)" in reports[0]["requests_differ"]["failure"]
 
 
 @pytest.mark.slow
@@ -190,42 +194,6 @@ def test_workspace_bytes_is_what_the_layout_allocates():
 # ---------------------------------------------------------------- shared IPC buffers (fake CUDA runtime)
 
 
-class FakeRuntime:
-    """The CudaRuntime calls, on fake pointers; fails where told, records what is live."""
-
-    def __init__(self, rank, fail=None):
-        self.rank, self.fail = rank, fail or {}
-        self.live, self.mapped, self.next = set(), set(), 1000 * (rank + 1)
-
-    def _maybe_fail(self, what):
-        if self.fail.get(what) == self.rank:
-            raise RuntimeError(f"{what} failed on rank {self.rank}")
-
-    def set_device(self, index):
-        pass
-
-    def malloc(self, size):
-        self._maybe_fail("malloc")
-        self.next += 16
-        self.live.add(self.next)
-        return self.next
-
-    def ipc_handle(self, pointer):
-        return pointer.to_bytes(8, "little")
-
-    def ipc_open(self, handle):
-        self._maybe_fail("open")
-        pointer = int.from_bytes(handle, "little") + 1
-        self.mapped.add(pointer)
-        return pointer
-
-    def ipc_close(self, pointer):
-        self.mapped.remove(pointer)
-
-    def free(self, pointer):
-        self.live.remove(pointer)
-
-
 def shared_buffer_scenarios(ctx):
     group, rank, out = ctx.group, ctx.rank, {}
     runtime = FakeRuntime(rank)
@@ -263,7 +231,7 @@ def test_shared_buffers_map_every_peer_and_close_cleanly():
 def test_shared_buffer_failure_on_one_rank_raises_everywhere_and_leaks_nothing(what, bad_rank):
     for out in run_on_ranks(shared_buffer_scenarios, 2, timeout_s=120):
         message, live, mapped = out[what]
-        assert f"rank {bad_rank}: RuntimeError: {what} failed on rank {bad_rank}" in message
+        assert f"rank {bad_rank}, " in message and f"RuntimeError: {what} failed on rank {bad_rank}" in message
         assert (live, mapped) == (0, 0)
 
 

@@ -31,6 +31,7 @@ DEFAULT_PRESET = {"cuda": "deepseek-v3", "cpu": "tiny"}
 DEFAULT_LAYERS = 4
 DEFAULT_CONTEXT = 1024
 DEFAULT_OUT_DIR = Path("bench/results")
+OUT_DIR_HELP = f"where result files go; the files written are listed at the end (default {DEFAULT_OUT_DIR}, in the current directory)"
 
 #: Kernel benchmark defaults: token counts 1 .. 2048 and the hidden sizes of DeepSeek-V3 and Llama-8B.
 DEFAULT_KERNEL_TOKENS = tuple(2**i for i in range(12))
@@ -87,7 +88,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="random weights kept in bf16, as FP8 blocks or as INT4 routed experts; FXFUSE_FP8_GEMM picks "
                         "the FP8 GEMM (default bf16)")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR,
-                   help=f"where result files go (default {DEFAULT_OUT_DIR})")
+                   help=OUT_DIR_HELP)
 
 
 def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,7 +108,7 @@ def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graph-iters", type=at_least(1), default=20,
                    help="calls captured in one CUDA graph (default 20)")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR,
-                   help=f"where result files go (default {DEFAULT_OUT_DIR})")
+                   help=OUT_DIR_HELP)
     p.add_argument("--write-thresholds", type=Path, metavar="PATH",
                    help="also write (merge into) a thresholds file derived from the medians (default: none)")
 
@@ -137,7 +138,7 @@ def add_fallback_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-calls", type=at_least(1), default=200,
                    help="uncaptured calls timed for the host cost (default 200)")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR,
-                   help=f"where result files go (default {DEFAULT_OUT_DIR})")
+                   help=OUT_DIR_HELP)
 
 
 def add_gemm_arguments(p: argparse.ArgumentParser) -> None:
@@ -149,5 +150,5 @@ def add_gemm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=at_least(1), default=20, help="timing samples per point and variant (default 20)")
     p.add_argument("--iters", type=at_least(1), default=10, help="calls captured in one CUDA graph (default 10)")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR,
-                   help=f"where result files go (default {DEFAULT_OUT_DIR})")
+                   help=OUT_DIR_HELP)
 

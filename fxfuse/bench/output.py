@@ -1,8 +1,8 @@
 """Shared output of the benchmarks: write a result as JSON + markdown (+ PNG) and print it.
 
 Every `fxfuse bench` command finishes the same way: rank 0 records the command line, writes
-`<stem>.json`, `<stem>.md` and, where matplotlib is importable, `<stem>.png`, lists the files and
-prints the markdown table.
+`<stem>.json`, `<stem>.md` and, where matplotlib is importable, `<stem>.png`, lists the files (by
+absolute path: the default `--out-dir` is relative to the current directory) and prints the markdown table.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def publish(report: dict[str, Any], benchmark: str, argv: list[str] | None, writ
     """Record `fxfuse bench <benchmark> ...` in the report, write its files with `write`, print them."""
     report["command"] = shlex.join(["fxfuse", "bench", benchmark, *(argv if argv is not None else sys.argv[1:])])
     for path in write(report):
-        print(f"wrote {path}")
+        print(f"wrote {Path(path).absolute()}")
     print(markdown(report))
 
 

@@ -33,6 +33,7 @@ from fxfuse.backend import CompileRecord, FxfuseBackend
 from fxfuse.models.config import ModelConfig
 from fxfuse.models.parallel import ParallelContext
 from fxfuse.op.schema import FUSED_OPS
+from fxfuse.op.settings import current_settings, what_fused_sites_run
 from fxfuse.passes.config import PATTERNS
 from fxfuse.passes.pattern_support import ALL_REDUCE
 from fxfuse.passes.unfused_reasons import (
@@ -80,7 +81,8 @@ class FusionReport:
     those that ended up inside a fused op; `fused_ops`: fused ops in the rewritten graphs (fewer than
     `fused_sites` when sites were merged); `trace_seconds`: dynamo + AOT autograd (the whole compile minus the passes);
     `pass_seconds`: the fxfuse passes with the backend's before/after snapshots (the first run in a
-    process includes tracing the patterns).
+    process includes tracing the patterns); `runtime`: what the fused sites run under this process's
+    FXFUSE_* settings (`fxfuse.op.settings.what_fused_sites_run`).
     """
 
     model: str
@@ -94,6 +96,7 @@ class FusionReport:
     trace_seconds: float
     pass_seconds: float
     sites: tuple[SiteRow, ...]
+    runtime: str = ""
 
     def to_json(self) -> dict[str, Any]:
         """The report as a JSON-ready dict (`sites` as a list of row dicts)."""
@@ -114,6 +117,8 @@ class FusionReport:
             f"{self.allreduce_sites} all-reduce sites fused ({self.fused_ops} fused ops, {self.merged} merges); "
             f"trace {self.trace_seconds:.1f} s, pass {self.pass_seconds:.2f} s"
         )
+        if self.runtime:
+            lines.append(self.runtime)
         return "\n".join(lines)
 
 
@@ -298,4 +303,5 @@ def summarize(backend: SiteTracingBackend, compile_seconds: float, *, model: str
         trace_seconds=round(compile_seconds - backend.pass_seconds, 3),
         pass_seconds=round(backend.pass_seconds, 3),
         sites=tuple(backend.sites),
+        runtime=what_fused_sites_run(current_settings()),
     )

@@ -9,7 +9,9 @@ site whose collective is not fused still costs one norm kernel, as the unfused g
 Inductor does. `residual_out` may be `reduced` itself (the add is then done in place).
 
 One program handles one row (a token) of up to `MAX_HIDDEN` elements held in registers; the number
-of warps grows with the row width. Triton is imported on first use only (it comes with CUDA builds of
+of warps grows with the row width. Wider rows (no model has them; the fusion pass leaves such CUDA
+sites to Inductor when their width is known at compile time) get the reference arithmetic in torch
+operations, written into the same outputs: slower, never wrong, and never after a failure. Triton is imported on first use only (it comes with CUDA builds of
 torch); the kernel also runs under Triton's CPU interpreter (`TRITON_INTERPRET=1`) for tests.
 
 Host cost: the first CUDA launch of each (device, hidden, residual or not, dtypes) goes through
@@ -28,6 +30,7 @@ import functools
 import torch
 
 from fxfuse.op.native_fallback import offer_norm_kernel
+from fxfuse.op.reference import add_rmsnorm
 from fxfuse.op.triton_launch import DirectLaunch, launch_hooks_installed
 
 #: Widest row one program holds (elements); wider rows are not supported by this kernel.
@@ -108,7 +111,10 @@ def add_rmsnorm_into(
             direct(tokens, device, args)
             return
     if hidden > MAX_HIDDEN:
-        raise ValueError(f"hidden size {hidden} exceeds the fused add-RMSNorm kernel's {MAX_HIDDEN}")
+        normed_value, summed = add_rmsnorm(reduced, residual, weight, eps)
+        residual_out.copy_(summed)
+        normed.copy_(normed_value)
+        return
     block = next_power_of_2(hidden)
     constexprs = (has_residual, block)
     compiled = _kernel()[(tokens,)](*args, *constexprs, num_warps=num_warps_for(block))

@@ -1,13 +1,19 @@
-"""At compile time: can any fused implementation of the op ever run for this site? If not, say why.
+"""At compile time: can any fused implementation of the op ever run this site? If not, say why.
 
-The fusion pass asks `fused_kernel_unavailable(device_type, dtype, world_size)` for each site it
-would rewrite. On CUDA, when no fused all-reduce can run (FlashInfer missing or outside the supported
-versions, a dtype or world size none of its kernels takes, a GPU arch it does not build for, or
-`FXFUSE_FUSION=off`), replacing the site would only swap Inductor's own all-reduce + add-RMSNorm code
-for the op's fallback, so the site is left to Inductor: the simplest way never to lose. The answer
-uses only local facts that are the same on every rank of a sanely set-up job (installed FlashInfer
-version, GPU arch, settings, the site's dtype and world size) and never runs a collective: ranks may
-compile at different times. `fxfuse.prepare` checks that the ranks agree on those facts.
+The fusion pass asks `fused_kernel_unavailable(device_type, dtype, world_size)` for each site it would
+rewrite. The answer must be the same on every rank, whatever each rank's environment: a rank that
+kept Inductor's all-reduce while its peers called the op would issue other collectives than they do
+(a hang), and no collective may run at compile time (ranks compile at different times, and a cache
+hit skips the passes on some ranks). So it uses only facts of the graph: the site's device, dtype
+and the group's world size. CUDA sites whose dtype or world size no fused all-reduce kernel takes
+(float32; world sizes other than 2, 4, 8 and 16) are left to Inductor, whose own code is then as good
+as anything the op could run.
+
+Everything that depends on the machine or the user (the FXFUSE_* settings, the installed FlashInfer,
+the GPU arch, the topology) is decided when the op first runs, by all ranks together
+(`fxfuse.op.group_config`): ranks that differ get the same error, and a site where no fused kernel
+runs gets the op's fallback (NCCL + the fused add-RMSNorm kernel), measured no slower than what
+Inductor compiles for the unfused chain (`fxfuse bench fallback`).
 
 On CPU the op's reference kernel (gloo) always runs: CPU sites are fused (that is how the CPU tests
 and the CPU runner exercise the rewrite).
@@ -17,35 +23,22 @@ from __future__ import annotations
 
 import torch
 
-from fxfuse.op.flashinfer_version import installed_features
 from fxfuse.op.policy import PCIE_WORLD_SIZES, SUPPORTED_DTYPES, TRTLLM_WORLD_SIZES
-from fxfuse.op.settings import current_settings
+
+#: World sizes some fused all-reduce kernel runs.
+FUSED_WORLD_SIZES = tuple(sorted(set(TRTLLM_WORLD_SIZES) | set(PCIE_WORLD_SIZES)))
 
 
 def fused_kernel_unavailable(device_type: str, dtype: torch.dtype, world_size: int) -> str | None:
-    """Why no fused all-reduce implementation can ever run a site on `device_type`; None if one may."""
+    """Why no fused all-reduce implementation can ever run a site on `device_type`; None if one may.
+
+    Depends on its arguments only (graph facts, equal on every rank), never on this process's
+    environment."""
     if device_type != "cuda":
         return None
-    if not current_settings().enabled:
-        return "FXFUSE_FUSION=off: no fused all-reduce runs, so Inductor keeps its own code"
-    features = installed_features()
-    if not (features.trtllm or features.pcie):
-        return f"no fused all-reduce kernel on this machine ({features.why_not}), so Inductor keeps its own code"
     if dtype not in SUPPORTED_DTYPES:
-        return f"{str(dtype).removeprefix('torch.')} activations: the fused all-reduce kernels take bfloat16 or float16"
-    sm = _sm()
-    trtllm_arch = sm is not None and features.trtllm_arch_supported(sm)
-    trtllm = trtllm_arch and world_size in TRTLLM_WORLD_SIZES
-    pcie = features.pcie and world_size in PCIE_WORLD_SIZES
-    if not (trtllm or pcie):
-        return (f"world size {world_size} on this GPU: no fused all-reduce kernel of flashinfer {features.version} "
-                "runs it, so Inductor keeps its own code")
+        return f"{str(dtype).removeprefix('torch.')} activations: the fused all-reduce kernels take bfloat16 or float16, so Inductor keeps its own code"
+    if world_size not in FUSED_WORLD_SIZES:
+        return (f"world size {world_size}: no fused all-reduce kernel runs it (they run {', '.join(map(str, FUSED_WORLD_SIZES))} "
+                "ranks), so Inductor keeps its own code")
     return None
-
-
-def _sm() -> int | None:
-    """This process's GPU arch as an integer (90 for 9.0), None without a GPU (fake CUDA tensors)."""
-    if not torch.cuda.is_available():
-        return None
-    major, minor = torch.cuda.get_device_capability()
-    return major * 10 + minor

@@ -8,9 +8,15 @@ plus the kernels' own launches. The plans:
 - `PciePlan`: FlashInfer's PCIe IPC all-reduce, then the fused add-RMSNorm kernel;
 - `NcclPlan`: the group's all-reduce (`_c10d_functional.all_reduce_`, as Inductor issues it), then the
   fused add-RMSNorm kernel. When the caller donated `x` (the op's `donate_x` overloads, which the
-  backend emits where Inductor can prove `x` is dead), the all-reduce runs in x's memory; otherwise
-  on a copy. Where the C++ fallback is installed (`fxfuse.op.native_fallback`), the shape is
-  registered with it and its later calls run the same steps in C++, never reaching Python.
+  backend emits where Inductor can prove `x` is dead), the all-reduce runs in x's memory unless the
+  residual or weight shares it; otherwise on a copy. Where the C++ fallback is installed
+  (`fxfuse.op.native_fallback`), the shape is registered with it and its later calls run the same
+  steps in C++, never reaching Python.
+A new plan is made outside CUDA-graph capture by agreement: each rank compiles the plan's norm kernel
+as a local step, then one exchange carries every rank's outcome and plan, so a failed compile or a
+plan that differs between ranks raises the same `RankStepFailed` on every rank instead of leaving one
+rank in a collective the others skip. Plans remember their process group: a call whose group name
+now means another group (destroyed and re-created) drops all state of that name and decides anew.
 Plans are dropped when a group's workspaces change (a new `fxfuse.prepare`). Inputs that are not
 16-byte aligned or contiguous are copied first: a copy is the same decision on every rank, where
 falling back on one rank only would hang the others.
@@ -27,15 +33,14 @@ import torch
 import torch.distributed as dist
 
 from fxfuse.op.add_rmsnorm_kernel import add_rmsnorm_into
-from fxfuse.op.flashinfer_version import installed_features
-from fxfuse.op.group_config import GroupConfig, agree_group_config, local_report
+from fxfuse.op.agreement import LocalSteps, RankStepFailed, agreed_failure
+from fxfuse.op.group_config import GroupConfig, agreed_config, forget_group, when_group_forgotten
 from fxfuse.op.modes import FusionMode
 from fxfuse.op.native_fallback import calls_by_reason, forget_shapes, native_installed, register_shape, reset_counts
 from fxfuse.op.pcie_kernels import PcieAllReduceKernels, pcie_workspace_bytes
 from fxfuse.op.policy import FusionDecision, FusionProblem, decide, trtllm_token_cap
-from fxfuse.op.reference import resolve_group
-from fxfuse.op.settings import current_settings
-from fxfuse.op.thresholds import current_thresholds
+from fxfuse.op.reference import check_arguments, resolve_group, writable_in_place
+from fxfuse.op.topology import Topology
 from fxfuse.op.trtllm_kernels import TrtllmFusionKernels
 from fxfuse.op.workspace import FusionWorkspace, WorkspaceRegistry, workspace_bytes
 
@@ -55,18 +60,12 @@ _FALLBACK_CALLS: collections.Counter = collections.Counter()
 
 PlanKey = tuple[str, int, int, torch.dtype, torch.dtype, "torch.dtype | None"]
 _PLANS: dict[PlanKey, "CallPlan"] = {}
-_GROUPS: dict[str, GroupConfig] = {}
 
 
 def group_config(group: dist.ProcessGroup) -> GroupConfig:
-    """The agreed config of `group`, exchanged on first use (collective, outside capture)."""
-    config = _GROUPS.get(group.group_name)
-    if config is None:
-        settings, thresholds, features = current_settings(), current_thresholds(), installed_features()
-        device = torch.device("cuda", torch.cuda.current_device())
-        local = local_report(settings, thresholds, features, device, dist.get_world_size(group))
-        config = _GROUPS[group.group_name] = agree_group_config(group, local, settings, thresholds, features)
-    return config
+    """The agreed config of `group` on this rank's GPU, exchanged on first use (collective, outside capture)."""
+    return agreed_config(group, torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                         else torch.device("cpu"))
 
 
 def fusion_stats() -> dict[str, dict]:
@@ -89,6 +88,17 @@ def forget_plans(group_name: str | None = None) -> None:
     forget_shapes(group_name)
 
 
+def _forget_group_state(group_name: str) -> None:
+    """All this module's state of a group name that now means another group: plans, C++ shapes, and
+    workspaces (retired: captured graphs may still replay them; never used for the new group)."""
+    forget_plans(group_name)
+    for registry in (TRTLLM, PCIE):
+        registry.forget_group(group_name)
+
+
+when_group_forgotten(_forget_group_state)
+
+
 def aligned(t: torch.Tensor) -> torch.Tensor:
     """`t` if it is contiguous and 16-byte aligned, else a fresh contiguous copy (which is)."""
     if t.is_contiguous() and t.data_ptr() % KERNEL_ALIGNMENT == 0:
@@ -100,11 +110,16 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
 class CallPlan:
     """How every call of one key runs; `decision` says which implementation and why."""
 
-    group_name: str
+    group: dist.ProcessGroup
     decision: FusionDecision
+    #: The group's name, read once (the kernels pass it on every call).
+    group_name: str = field(init=False)
     #: (counter, key) this plan's calls are counted under, made on the first call (a plan serves one
     #: hidden size and dtype).
     _tally: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.group_name = self.group.group_name
 
     def count(self, hidden: int, dtype: torch.dtype) -> None:
         """Count one call of this plan (see fusion_stats)."""
@@ -126,7 +141,7 @@ class NcclPlan(CallPlan):
     time per call, and this runs at every site of every uncaptured step)."""
 
     def __call__(self, x, residual, weight, eps, x_donated):
-        donated_in_place = x_donated and x.is_contiguous() and x.data_ptr() % KERNEL_ALIGNMENT == 0
+        donated_in_place = writable_in_place(x, x_donated, residual, weight) and x.data_ptr() % KERNEL_ALIGNMENT == 0
         reduced = x if donated_in_place else x.clone(memory_format=torch.contiguous_format)
         ALL_REDUCE_(reduced, "sum", self.group_name)
         WAIT_TENSOR(reduced)
@@ -219,22 +234,61 @@ def ensure_workspace(config: GroupConfig, group: dist.ProcessGroup, mode: Fusion
     )
 
 
-def plan_call(group_name: str, tokens: int, hidden: int, dtype, weight_dtype, residual_dtype) -> CallPlan:
+def decide_plan(group: dist.ProcessGroup, tokens: int, hidden: int, dtype, weight_dtype, residual_dtype) -> CallPlan:
     """Decide (and create the workspace for, outside capture) one call shape on this group."""
-    group = resolve_group(group_name)
     config = group_config(group)
     wanted = config.settings.max_tokens
     decision = decide(problem_for(config, tokens, hidden, dtype, weight_dtype, residual_dtype, wanted),
                       config.settings, config.thresholds.lookup(config.gpu, config.world_size, hidden, dtype, config.topology.value))
+    if not decision.fused:
+        decision = FusionDecision(FusionMode.FALLBACK, decision.reason + _context(config, group.group_name, hidden, dtype))
     if decision.fused:
-        existing = (TRTLLM if decision.mode.trtllm else PCIE).lookup(group_name, hidden, dtype)
+        existing = (TRTLLM if decision.mode.trtllm else PCIE).lookup(group.group_name, hidden, dtype)
         workspace = existing or ensure_workspace(config, group, decision.mode, hidden, dtype, wanted)
         if workspace is None:  # creation failed on some rank, on all ranks alike: decide again without it
-            return plan_call(group_name, tokens, hidden, dtype, weight_dtype, residual_dtype)
+            return decide_plan(group, tokens, hidden, dtype, weight_dtype, residual_dtype)
         if decision.mode is FusionMode.PCIE and not PCIE.kernels.supports(workspace.handle, tokens):
-            return NcclPlan(group_name, FusionDecision(FusionMode.FALLBACK, f"the PCIe kernels do not run {tokens} tokens"))
-        return (PciePlan if decision.mode is FusionMode.PCIE else TrtllmPlan)(group_name, decision, workspace)
-    return NcclPlan(group_name, decision)
+            return NcclPlan(group, FusionDecision(FusionMode.FALLBACK, f"the PCIe kernels do not run {tokens} tokens"))
+        return (PciePlan if decision.mode is FusionMode.PCIE else TrtllmPlan)(group, decision, workspace)
+    return NcclPlan(group, decision)
+
+
+def _context(config: GroupConfig, group_name: str, hidden: int, dtype: torch.dtype) -> str:
+    """What a fallback's reason should also say: why a workspace could not be made, or why the
+    group's topology is what it is (a failed link probe, several hosts)."""
+    failures = [f"the {registry.name} workspace could not be made: {failure}"
+                for registry in (TRTLLM, PCIE) if (failure := registry.failure(group_name, hidden, dtype))]
+    if config.topology in (Topology.NONE, Topology.NVLINK) and config.world_size > 1:
+        failures.append(config.topology_reason)
+    return f" ({'; '.join(failures)})" if failures else ""
+
+
+def plan_call(group: dist.ProcessGroup, tokens: int, hidden: int, dtype, weight_dtype, residual_dtype) -> CallPlan:
+    """`decide_plan`, then (outside capture) one exchange in which every rank reports whether it
+    compiled the plan's norm kernel and which plan it made: raises `RankStepFailed` on every rank if
+    any rank failed or planned differently."""
+    plan = decide_plan(group, tokens, hidden, dtype, weight_dtype, residual_dtype)
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return plan  # prepare() compiled the kernels; the plan is a function of agreed values only
+    steps = LocalSteps()
+    if not isinstance(plan, TrtllmPlan):  # the others run the add-RMSNorm kernel after their all-reduce
+        steps.run("compiling the add-RMSNorm kernel (Triton)", compile_norm_kernel, hidden, dtype, weight_dtype,
+                  residual_dtype)
+    agreed = (type(plan).__name__, plan.decision.mode.value, tokens, hidden, str(dtype), str(weight_dtype), str(residual_dtype))
+    reason = agreed_failure(steps.failure, group, agreed)
+    if reason is not None:
+        raise RankStepFailed(f"planning the fused all-reduce + RMSNorm op for {tokens} tokens x hidden {hidden} failed "
+                             f"on every rank of process group {group.group_name!r} because of {reason}")
+    return plan
+
+
+def compile_norm_kernel(hidden: int, dtype: torch.dtype, weight_dtype: torch.dtype, residual_dtype) -> None:
+    """Compile (once per key) the add-RMSNorm kernel for rows of `hidden` with these dtypes, on a one-row call."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    row = torch.ones(1, hidden, dtype=dtype, device=device)
+    residual = None if residual_dtype is None else torch.ones(1, hidden, dtype=residual_dtype, device=device)
+    add_rmsnorm_into(row, residual, torch.ones(hidden, dtype=weight_dtype, device=device), 1e-6,
+                     torch.empty_like(row), torch.empty_like(row))
 
 
 def allreduce_residual_rmsnorm_cuda(
@@ -244,16 +298,15 @@ def allreduce_residual_rmsnorm_cuda(
 
     `x_donated`: the caller allows x's memory to be overwritten (the `donate_x` overloads).
     """
+    check_arguments(x, residual, weight)
     hidden = x.shape[-1]
     key = (group_name, x.numel() // hidden if hidden else 0, hidden, x.dtype, weight.dtype, None if residual is None else residual.dtype)
-    if weight.shape != x.shape[-1:] or (residual is not None and residual.shape != x.shape):
-        raise ValueError(
-            f"allreduce_residual_rmsnorm: x {list(x.shape)}, residual {None if residual is None else list(residual.shape)} "
-            f"and weight {list(weight.shape)} must be [..., hidden], the same shape, and [hidden]"
-        )
     plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = plan_call(group_name, *key[1:])
+    group = resolve_group(group_name)
+    if plan is None or plan.group is not group:
+        if plan is not None:  # the name now means another group: nothing decided for the old one holds
+            forget_group(group_name)
+        plan = _PLANS[key] = plan_call(group, *key[1:])
         if type(plan) is NcclPlan and native_installed():
             register_shape(*key, plan.decision.reason)  # later calls of this shape stay in C++
     return plan(x, residual, weight, eps, x_donated)

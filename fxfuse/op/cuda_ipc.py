@@ -2,10 +2,10 @@
 
 `create_shared_buffers(sizes, group)` allocates one buffer per size on this rank's GPU
 (`cudaMalloc`), exchanges IPC handles, and maps every peer's buffers, so that each returned
-`SharedBuffer` holds one device pointer per rank. Every step that can fail on one rank only
-(allocation, export, mapping) is followed by an agreement round: on failure every rank unmaps and
-frees what it made and raises the same `SharedBufferError`, so no rank is left waiting in a
-collective the others skipped, and nothing leaks. `close_shared_buffers(buffers, group)` unmaps the
+`SharedBuffer` holds one device pointer per rank. Every step that can fail on one rank only (loading
+the runtime, selecting the device, allocation, export, mapping) is followed by an agreement round: on
+failure every rank unmaps and frees what it made and raises the same `SharedBufferError`, naming the
+rank and the step, so no rank is left waiting in a collective the others skipped, and nothing leaks. `close_shared_buffers(buffers, group)` unmaps the
 peers' buffers, waits for every rank to have done so, then frees this rank's own; with `group=None`
 (at interpreter exit, when peers may be gone) it only unmaps and frees locally.
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from fxfuse.op.agreement import all_ranks_agree, gather_objects
+from fxfuse.op.agreement import LocalSteps, all_ranks_agree, describe_failures, gather_objects
 
 logger = logging.getLogger(__name__)
 
@@ -149,55 +149,56 @@ class SharedBuffer:
         return self.pointers[self.rank]
 
 
-def _rank_errors(results: list) -> str:
-    """'rank r: error; ...' for the ranks whose (value, error) pair carries an error."""
-    return "; ".join(f"rank {r}: {error}" for r, (_, error) in enumerate(results) if error)
-
-
 def create_shared_buffers(
     sizes: list[int], group: dist.ProcessGroup, runtime: CudaRuntime | None = None, device_index: int | None = None
 ) -> list[SharedBuffer]:
     """Allocate `sizes` bytes on every rank of `group` (on GPU `device_index`, default torch's current
     one) and map every peer's buffers (collective).
 
-    Raises SharedBufferError on every rank if any rank fails; then nothing stays allocated or mapped.
+    Every local step (loading the CUDA runtime, selecting the device, allocating, exporting, opening
+    the peers' handles) runs before an exchange that carries its failure to every rank. Raises
+    SharedBufferError on every rank, naming the ranks and steps that failed, if any rank fails; then
+    nothing stays allocated or mapped.
     """
-    runtime = runtime or cuda_runtime()
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    runtime.set_device(torch.cuda.current_device() if device_index is None else device_index)
+    steps = LocalSteps()
+    runtime = runtime or steps.run("loading the CUDA runtime", cuda_runtime)
     own: list[int] = []
-    handles, error = [], None
-    try:
+    handles: list[bytes] = []
+    if runtime is not None:  # nothing below may raise here: each call is a step whose failure is exchanged
+        steps.run("selecting the GPU (cudaSetDevice)", lambda: runtime.set_device(
+            torch.cuda.current_device() if device_index is None else device_index))
         for size in sizes:
-            own.append(runtime.malloc(size))
-            handles.append(runtime.ipc_handle(own[-1]))
-    except Exception as exc:  # noqa: BLE001 - reported to every rank below
-        error = f"{type(exc).__name__}: {exc}"
-    exchanged = gather_objects((handles, error), group)
-    if any(e for _, e in exchanged):
-        _free_all(runtime, own)
-        raise SharedBufferError(f"allocating shared buffers failed: {_rank_errors(exchanged)}")
+            pointer = steps.run("allocating the shared buffers (cudaMalloc)", runtime.malloc, size)
+            if pointer is not None:
+                own.append(pointer)
+                handles.append(steps.run("exporting IPC handles (cudaIpcGetMemHandle)", runtime.ipc_handle, pointer))
+    exchanged = gather_objects((handles, steps.failure), group)
+    failed = describe_failures([failure for _, failure in exchanged])
+    if failed is not None:
+        if runtime is not None:
+            _free_all(runtime, own)
+        raise SharedBufferError(f"allocating shared buffers failed: {failed}")
 
     mapped: list[list[int]] = [[0] * world_size for _ in sizes]
     opened: list[int] = []
-    error = None
-    try:
-        for peer in range(world_size):
-            for i, handle in enumerate(exchanged[peer][0]):
-                if peer == rank:
-                    mapped[i][peer] = own[i]
-                else:
-                    mapped[i][peer] = runtime.ipc_open(handle)
-                    opened.append(mapped[i][peer])
-    except Exception as exc:  # noqa: BLE001 - agreed below
-        error = f"{type(exc).__name__}: {exc}"
-    outcomes = gather_objects((None, error), group)
-    if any(e for _, e in outcomes):
+    steps = LocalSteps()
+    for peer in range(world_size):
+        for i, handle in enumerate(exchanged[peer][0]):
+            if peer == rank:
+                mapped[i][peer] = own[i]
+                continue
+            pointer = steps.run("opening the peers' IPC handles (cudaIpcOpenMemHandle)", runtime.ipc_open, handle)
+            if pointer is not None:
+                mapped[i][peer] = pointer
+                opened.append(pointer)
+    failed = describe_failures(gather_objects(steps.failure, group))
+    if failed is not None:
         for pointer in opened:
             _quietly(runtime.ipc_close, pointer)
         all_ranks_agree(True, 0, group)  # every rank unmapped before anyone frees
         _free_all(runtime, own)
-        raise SharedBufferError(f"mapping peers' shared buffers failed: {_rank_errors(outcomes)}")
+        raise SharedBufferError(f"mapping peers' shared buffers failed: {failed}")
     return [SharedBuffer(rank, size, mapped[i]) for i, size in enumerate(sizes)]
 
 

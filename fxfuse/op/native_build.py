@@ -2,14 +2,17 @@
 
 The library is compiled with the system C++ compiler (`$CXX`, else `c++`) against the installed
 torch's headers and libraries, and loaded with `torch.ops.load_library`; it needs no CUDA toolkit
-and no Python headers (it only uses torch's dispatcher and ATen). Builds are cached under
-`$FXFUSE_NATIVE_CACHE` (default `~/.cache/fxfuse/native`), keyed by the source, the torch version and
-the compiler, so the first build on a machine (about 20 s) is the only one; ranks that start
-together wait for one build under a file lock. `FXFUSE_NATIVE=0` turns the C++ path off (the op then
-runs its Python kernel, which computes the same results with more host time per call).
+and no Python headers (it only uses torch's dispatcher, ATen and c10d's group registry). Builds are
+cached under `$FXFUSE_NATIVE_CACHE` (default `~/.cache/fxfuse/native`, or a folder under the temporary
+directory when the user has no home, as containers running under an arbitrary UID do), keyed by the
+source, the torch version and the compiler, so the first build on a machine (about 20 s) is the only
+one; ranks that start together wait for one build under a file lock. A cached library that does not
+load (a corrupt file) is rebuilt once. `FXFUSE_NATIVE=0` turns the C++ path off (the op then runs its
+Python kernel, which computes the same results with more host time per call).
 
-`load_native_library()` returns None with the reason logged once when there is no compiler or the
-build fails: the C++ path is an optimization, never a requirement.
+`load_native_library()` returns None with the reason logged once when there is no compiler, no
+writable cache or the build fails: the C++ path is an optimization, never a requirement, and none of
+its failures escapes (whether a rank has it changes no collective it issues).
 """
 
 from __future__ import annotations
@@ -38,8 +41,15 @@ def native_enabled() -> bool:
 
 
 def cache_dir() -> Path:
-    """Where built libraries are kept."""
-    return Path(os.environ.get("FXFUSE_NATIVE_CACHE") or Path.home() / ".cache" / "fxfuse" / "native")
+    """Where built libraries are kept: $FXFUSE_NATIVE_CACHE, else ~/.cache/fxfuse/native, else (no home
+    directory) fxfuse-native-<uid> in the temporary directory."""
+    explicit = os.environ.get("FXFUSE_NATIVE_CACHE")
+    if explicit:
+        return Path(explicit)
+    home = os.path.expanduser("~")
+    if home.startswith("~"):  # neither $HOME nor a passwd entry
+        return Path(tempfile.gettempdir()) / f"fxfuse-native-{os.getuid()}"
+    return Path(home) / ".cache" / "fxfuse" / "native"
 
 
 def compiler() -> str | None:
@@ -90,15 +100,25 @@ def load_native_library() -> Path | None:
     if cxx is None:
         log.warning("fxfuse: no C++ compiler (set CXX or install c++): the fused op's fallback runs its Python kernel")
         return None
-    target = library_path(cxx)
     try:
+        target = library_path(cxx)
         target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not target.exists():
-                build(cxx, target)
-        torch.ops.load_library(str(target))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        _build_once(cxx, target, replace=False)
+        try:
+            torch.ops.load_library(str(target))
+        except OSError as error:  # a corrupt or truncated cached file: build it again, once
+            log.warning("fxfuse: the cached C++ fallback %s does not load (%s): rebuilding it", target, error)
+            _build_once(cxx, target, replace=True)
+            torch.ops.load_library(str(target))
+    except Exception as error:  # noqa: BLE001 - the C++ path is optional: any failure leaves the Python kernel
         log.warning("fxfuse: the C++ fallback op is unavailable (%s): the fused op's fallback runs its Python kernel", error)
         return None
     return target
+
+
+def _build_once(cxx: str, target: Path, replace: bool) -> None:
+    """Build `target` under the cache's file lock, unless it exists (and `replace` is False)."""
+    with open(target.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if replace or not target.exists():
+            build(cxx, target)

@@ -10,19 +10,24 @@
 // back to Python, through the op `fxfuse::add_rmsnorm_into` (and so always on CPU, in tests).
 //
 // What runs is still decided in Python: `fxfuse_native::register_nccl` marks one call shape
-// (group, tokens, hidden, dtypes) as "NCCL fallback" once Python has decided it; calls of any other
-// shape go to `fxfuse::allreduce_residual_rmsnorm_planned` (the Python kernel, which decides, and runs
+// (group, tokens, hidden, dtypes) as "NCCL fallback" once Python has decided it, for the process group
+// the name means at that moment (torch reuses a name after destroy_process_group + init_process_group:
+// a call whose name now resolves to another group drops the registration and goes back to Python,
+// which forgets everything it decided for the old group); calls of any other shape, or whose weight
+// or residual does not fit x (shape, device), go to `fxfuse::allreduce_residual_rmsnorm_planned` (the Python kernel, which decides, and runs
 // the other plans). `fxfuse_native::install()` makes `run_boxed` the CUDA kernel of the four overloads
 // of `fxfuse::allreduce_residual_rmsnorm`; `fxfuse_native::run` is the same path as a plain op (tests
 // drive it with CPU tensors and gloo).
 //
 // Arithmetic is exactly the Python plan's: all-reduce sum into x's memory when x is donated,
-// contiguous and 16-byte aligned (else into a contiguous copy), then the add-RMSNorm kernel writing a
+// contiguous, 16-byte aligned and shares no memory with the residual or weight (else into a
+// contiguous copy), then the add-RMSNorm kernel writing a
 // fresh `residual_out` (or the reduced buffer itself when it is a copy) and a fresh `normed`.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <dlfcn.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/library.h>
 
 #include <atomic>
@@ -34,6 +39,7 @@
 #include <string>
 #include <tuple>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -98,9 +104,16 @@ struct NormLaunch {
   unsigned shared_bytes;
 };
 
-// Shapes Python decided to run as the NCCL fallback: key -> (index of) its call counter.
+// A shape Python decided to run as the NCCL fallback: its call counter's index, and the process group
+// its name meant then (a weak reference: it keeps the group's address from being reused, not the group).
+struct Registration {
+  size_t counter;
+  c10::weak_intrusive_ptr<c10d::ProcessGroup> group;
+};
+
+// Shapes Python decided to run as the NCCL fallback.
 std::mutex registry_mutex;
-std::unordered_map<ShapeKey, size_t, ShapeKeyHash> nccl_shapes;
+std::unordered_map<ShapeKey, Registration, ShapeKeyHash> nccl_shapes;
 // One counter per registration, in a deque so that they never move: a call bumps its counter
 // through a pointer taken under the lock.
 std::deque<std::atomic<int64_t>> call_counts;
@@ -123,6 +136,22 @@ int8_t dtype_code(at::ScalarType dtype) { return static_cast<int8_t>(dtype); }
 
 bool aligned_contiguous(const at::Tensor& t) {
   return t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % kAlignment == 0;
+}
+
+// The byte addresses [first, end) that t's elements occupy (fxfuse.op.reference.memory_span).
+std::pair<uintptr_t, uintptr_t> memory_span(const at::Tensor& t) {
+  if (t.numel() == 0) return {0, 0};
+  int64_t extent = 1;
+  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+  const auto start = reinterpret_cast<uintptr_t>(t.data_ptr());
+  return {start, start + static_cast<uintptr_t>(extent * t.element_size())};
+}
+
+bool may_overlap(const at::Tensor& a, const std::optional<at::Tensor>& b) {
+  if (!b.has_value()) return false;
+  const auto [a_start, a_end] = memory_span(a);
+  const auto [b_start, b_end] = memory_span(*b);
+  return a_start < b_end && b_start < a_end;
 }
 
 at::Tensor aligned(const at::Tensor& t) {
@@ -170,10 +199,27 @@ void launch_norm(const NormLaunch& launch, int64_t tokens, const at::Tensor& red
   TORCH_CHECK(status == 0, "fxfuse: cuLaunchKernel of the add-RMSNorm kernel failed with CUresult ", status);
 }
 
+// The process group `name` means now, or null if none does.
+c10::intrusive_ptr<c10d::ProcessGroup> current_group(const std::string& name) {
+  try {
+    return c10d::resolve_process_group(name);
+  } catch (const std::exception&) {
+    return {};
+  }
+}
+
+// The counter of a registered shape whose group is still the one its name meant at registration;
+// null otherwise (a stale registration is dropped: Python decides again).
 std::atomic<int64_t>* counter_of(const ShapeKey& key) {
+  const auto group = current_group(key.group);
   std::lock_guard<std::mutex> lock(registry_mutex);
   auto found = nccl_shapes.find(key);
-  return found == nccl_shapes.end() ? nullptr : &call_counts[found->second];
+  if (found == nccl_shapes.end()) return nullptr;
+  if (!group || found->second.group.lock().get() != group.get()) {
+    nccl_shapes.erase(found);
+    return nullptr;
+  }
+  return &call_counts[found->second.counter];
 }
 
 std::tuple<at::Tensor, at::Tensor> run_shape(const at::Tensor& x, const std::optional<at::Tensor>& residual,
@@ -183,16 +229,17 @@ std::tuple<at::Tensor, at::Tensor> run_shape(const at::Tensor& x, const std::opt
   const ShapeKey key{group, hidden ? x.numel() / hidden : 0, hidden, dtype_code(x.scalar_type()),
                      dtype_code(weight.scalar_type()),
                      residual.has_value() ? dtype_code(residual->scalar_type()) : kNoResidual};
-  std::atomic<int64_t>* counter = counter_of(key);
-  const bool shapes_fit = weight.numel() == hidden && (!residual.has_value() || residual->numel() == x.numel());
-  if (counter == nullptr || key.tokens == 0 || !shapes_fit) {  // Python decides (and raises on bad shapes)
+  const bool fits = weight.dim() == 1 && weight.size(0) == hidden && weight.device() == x.device() &&
+                    (!residual.has_value() || (residual->sizes() == x.sizes() && residual->device() == x.device()));
+  std::atomic<int64_t>* counter = fits && key.tokens != 0 ? counter_of(key) : nullptr;
+  if (counter == nullptr) {  // Python decides (and raises on arguments that do not fit)
     return run_planned(x, residual, weight, eps, group, donated);
   }
   static const c10::OperatorHandle all_reduce_ = op_handle("_c10d_functional::all_reduce_", "");
   static const c10::OperatorHandle wait_tensor = op_handle("_c10d_functional::wait_tensor", "");
   static const c10::OperatorHandle add_rmsnorm_into = op_handle("fxfuse::add_rmsnorm_into", "");
 
-  const bool in_place = donated && aligned_contiguous(x);
+  const bool in_place = donated && aligned_contiguous(x) && !may_overlap(x, residual) && !may_overlap(x, weight);
   at::Tensor reduced = in_place ? x : x.clone(at::MemoryFormat::Contiguous);
   {
     torch::jit::Stack stack{reduced, std::string("sum"), group};
@@ -240,12 +287,16 @@ int64_t register_nccl(std::string group, int64_t tokens, int64_t hidden, at::Sca
                       at::ScalarType weight_dtype, std::optional<at::ScalarType> residual_dtype) {
   const ShapeKey key{group, tokens, hidden, dtype_code(x_dtype), dtype_code(weight_dtype),
                      residual_dtype.has_value() ? dtype_code(*residual_dtype) : kNoResidual};
+  const auto group_now = current_group(group);
+  TORCH_CHECK(group_now, "fxfuse: no process group is named ", group);
   std::lock_guard<std::mutex> lock(registry_mutex);
   auto found = nccl_shapes.find(key);
-  if (found != nccl_shapes.end()) return static_cast<int64_t>(found->second);
+  if (found != nccl_shapes.end() && found->second.group.lock().get() == group_now.get()) {
+    return static_cast<int64_t>(found->second.counter);
+  }
   call_counts.emplace_back(0);
   const size_t index = call_counts.size() - 1;
-  nccl_shapes.emplace(key, index);
+  nccl_shapes.insert_or_assign(key, Registration{index, c10::weak_intrusive_ptr<c10d::ProcessGroup>(group_now)});
   return static_cast<int64_t>(index);
 }
 

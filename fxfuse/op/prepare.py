@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fxfuse.op.add_rmsnorm_kernel import add_rmsnorm_into
+from fxfuse.op.agreement import LocalSteps, agreed_failure
 from fxfuse.op.cuda_dispatch import (
     PCIE,
     TRTLLM,
@@ -23,6 +23,7 @@ from fxfuse.op.cuda_dispatch import (
     NcclPlan,
     PciePlan,
     TrtllmPlan,
+    compile_norm_kernel,
     ensure_workspace,
     forget_plans,
     fusion_stats,
@@ -30,6 +31,7 @@ from fxfuse.op.cuda_dispatch import (
     problem_for,
     reset_fusion_stats,
 )
+from fxfuse.op.reference import resolve_group
 from fxfuse.op.modes import FusionMode
 from fxfuse.op.policy import FusionDecision, decide
 from fxfuse.op.schema import install_native_fallback
@@ -62,30 +64,38 @@ def prepare(
     kinds = {FusionMode.ONESHOT if m.trtllm else m for m in wanted if m is not FusionMode.FALLBACK}
     ready = [ensure_workspace(config, group, kind, hidden_size, dtype, max_tokens) is not None for kind in sorted(kinds)]
     forget_plans(group.group_name)
-    _compile_norm_kernel(hidden_size, dtype)
+    for residual_dtype in (dtype, None):  # so that a first call during CUDA-graph capture does not compile
+        compile_norm_kernel(hidden_size, dtype, dtype, residual_dtype)
     return any(ready)
 
 
-def _compile_norm_kernel(hidden_size: int, dtype: torch.dtype) -> None:
-    """Compile the fused add-RMSNorm kernel for this row width and dtype (with and without a residual)
-    now, so a first call during CUDA-graph capture does not compile."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    row = torch.ones(1, hidden_size, dtype=dtype, device=device)
-    for residual in (row, None):
-        add_rmsnorm_into(row, residual, row[0], 1e-6, torch.empty_like(row), torch.empty_like(row))
-
-
 def destroy_workspaces(group: dist.ProcessGroup | None = None, graphs_released: bool = False) -> None:
-    """Free the fused op's workspaces of `group` (all if None); collective over each group.
+    """Free the fused op's workspaces of `group` (all groups if None); collective over each group.
 
-    Call it on every rank before `dist.destroy_process_group`. Raises RuntimeError (freeing nothing)
-    if a workspace was used while capturing a CUDA graph, unless `graphs_released=True` says those
-    graphs were destroyed: replaying one after the free would write through freed memory. Workspaces
-    not freed this way are released locally at interpreter exit.
+    Call it on every rank before `dist.destroy_process_group`. Raises RuntimeError on every rank,
+    freeing nothing of that group, if on any rank a workspace of it was used while capturing a CUDA
+    graph, unless `graphs_released=True` says those graphs were destroyed: replaying one after the
+    free would write through freed memory. Cached plans are dropped in every case, so no call uses a
+    freed workspace. Workspaces not freed this way are released locally at interpreter exit.
     """
+    names = [group.group_name] if group is not None else sorted(TRTLLM.group_names() | PCIE.group_names())
+    try:
+        for name in names:
+            _destroy_group_workspaces(group if group is not None else resolve_group(name), graphs_released)
+    finally:
+        forget_plans(None if group is None else group.group_name)
+
+
+def _destroy_group_workspaces(group: dist.ProcessGroup, graphs_released: bool) -> None:
+    """Agree that no rank refuses (a captured workspace), then free every registry's workspaces of `group`."""
+    steps = LocalSteps()
     for registry in (TRTLLM, PCIE):
-        registry.destroy(group, graphs_released)
-    forget_plans(None if group is None else group.group_name)
+        steps.run(f"checking the {registry.name} workspaces", registry.check_destroyable, group.group_name, graphs_released)
+    refusal = agreed_failure(steps.failure, group)
+    if refusal is not None:
+        raise RuntimeError(f"fxfuse.destroy_workspaces freed nothing of process group {group.group_name!r}: {refusal}")
+    for registry in (TRTLLM, PCIE):
+        registry.destroy(group)
 
 
 def forced_plan(group: dist.ProcessGroup, mode: FusionMode, hidden_size: int, dtype: torch.dtype, max_tokens: int) -> CallPlan | None:
@@ -94,8 +104,8 @@ def forced_plan(group: dist.ProcessGroup, mode: FusionMode, hidden_size: int, dt
     config = group_config(group)
     decision = FusionDecision(mode, "forced by the caller")
     if mode is FusionMode.FALLBACK:
-        return NcclPlan(group.group_name, decision)
+        return NcclPlan(group, decision)
     workspace = ensure_workspace(config, group, mode, hidden_size, dtype, max_tokens)
     if workspace is None:
         return None
-    return (PciePlan if mode is FusionMode.PCIE else TrtllmPlan)(group.group_name, decision, workspace)
+    return (PciePlan if mode is FusionMode.PCIE else TrtllmPlan)(group, decision, workspace)

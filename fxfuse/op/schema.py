@@ -42,8 +42,9 @@ import torch
 import torch.distributed as dist
 
 from fxfuse.op import native_fallback
+from fxfuse.op.group_config import agreed_config
 from fxfuse.op.native_build import load_native_library
-from fxfuse.op.reference import add_rmsnorm, resolve_group
+from fxfuse.op.reference import add_rmsnorm, check_arguments, resolve_group, writable_in_place
 
 OP_NAME = "fxfuse::allreduce_residual_rmsnorm"
 _RESULTS = "(Tensor normed, Tensor residual_out)"
@@ -80,10 +81,16 @@ torch.library.define(
 
 
 def _cpu_kernel(x, residual, weight, eps, group_name, x_donated: bool):
-    """Reference: gloo all-reduce (in x itself when donated and contiguous), then `add_rmsnorm`."""
+    """Reference: the group's agreement on its first call (so a bad FXFUSE_* setting on any rank is
+    the same error on every rank, on CPU as on CUDA), then a gloo all-reduce (in x itself when
+    donated, contiguous and sharing no memory with the residual or weight), then `add_rmsnorm`."""
+    check_arguments(x, residual, weight)
+    group = resolve_group(group_name)
+    agreed_config(group, x.device)
     eps = float(eps)
-    reduced = x if x_donated and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=resolve_group(group_name))
+    in_place = writable_in_place(x, x_donated, residual, weight)
+    reduced = x if in_place else x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)
     normed, residual_out = add_rmsnorm(reduced, residual, weight, eps)
     return normed, residual_out.clone() if residual_out is x else residual_out
 
@@ -122,7 +129,9 @@ def _cpu_norm_into(reduced, residual, weight, eps, residual_out, normed):
 
 
 def _fake_kernel(x, residual, weight, eps, group_name):
-    """Shapes only: both outputs are new tensors shaped and typed like `x` (works with SymInts)."""
+    """Shapes only: both outputs are new tensors shaped and typed like `x` (works with SymInts); the
+    arguments are checked as the real kernels check them."""
+    check_arguments(x, residual, weight)
     return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(
         x, memory_format=torch.contiguous_format
     )

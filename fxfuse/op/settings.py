@@ -66,6 +66,19 @@ class FusionSettings:
             raise ValueError(f"pcie_profile must be one of {PCIE_PROFILES}, got {self.pcie_profile!r}")
 
 
+def what_fused_sites_run(settings: FusionSettings) -> str:
+    """One sentence: what a fused site runs under `settings` (the same in `fxfuse report` as in a run)."""
+    if not settings.enabled:
+        return (f"{ENV_FUSION}=off: every fused site runs the NCCL all-reduce + the fused add-RMSNorm kernel "
+                "(gloo + the reference norm on CPU), never a fused all-reduce kernel")
+    if settings.force_mode is not None:
+        return (f"{ENV_FUSION}={settings.force_mode.value}: fused sites run {settings.force_mode.value} wherever it can run, "
+                "else NCCL + the fused add-RMSNorm kernel")
+    return ("fused sites run what the ranks agree on at the first call: FlashInfer's TensorRT-LLM kernel on NVSwitch "
+            "GPUs, its PCIe all-reduce + the fused norm on PCIe GPUs, else NCCL + the fused norm (gloo + the "
+            "reference norm on CPU)")
+
+
 def settings_from_env(environ: Mapping[str, str]) -> FusionSettings:
     """Settings from the FXFUSE_* variables (see the module docstring).
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxfuse.op.agreement import all_ranks_agree
+from fxfuse.op.agreement import LocalSteps, agreed_failure
 from fxfuse.op.cuda_ipc import SharedBuffer, close_shared_buffers, create_shared_buffers
 from fxfuse.op.policy import MAX_LAMPORT_COMM_BYTES
 
@@ -142,23 +142,30 @@ class TrtllmFusionKernels:
         sizes = [_round_up(s, BUFFER_ALIGNMENT) for s in (layout.two_shot_bytes, layout.flag_bytes, layout.lamport_bytes)]
         buffers = create_shared_buffers(sizes, group)
         two_shot, flags, lamport = buffers
-        error: Exception | None = None
-        try:
-            device = torch.device("cuda", torch.cuda.current_device())
-            _device_view(flags.local, flags.size, device).zero_()
-            lamport_init = importlib.import_module("flashinfer.comm.trtllm_ar").trtllm_lamport_initialize
-            lamport_init(lamport.local, lamport.size // 2, torch.float16)
-            state = torch.tensor([0, 0, 0, layout.lamport_comm_bytes, 0], dtype=torch.int32, device=device)
-            table = [*two_shot.pointers, *flags.pointers, *lamport.pointers, state.data_ptr()]
-            pointer_table = torch.tensor(table, dtype=torch.int64, device=device)
-            zero_residual = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)
-            torch.cuda.synchronize(device)
-        except Exception as exc:  # noqa: BLE001 - agreed below, then raised on every rank
-            error = exc
-        if not all_ranks_agree(error is None, 0, group):  # no peer writes into buffers a rank has not initialised
+        steps = LocalSteps()
+        parts = steps.run("initialising the workspace (flags, Lamport buffers, pointer table)", self._initialise,
+                          layout, two_shot, flags, lamport, max_tokens, hidden_size, dtype)
+        failure = agreed_failure(steps.failure, group)
+        if failure is not None:  # no peer writes into buffers a rank has not initialised
             close_shared_buffers(buffers, group)
-            raise FlashInferUnavailable(f"initialising the workspace failed: {error or 'on another rank'}") from error
-        return TrtllmWorkspace(rank, world_size, layout, buffers, state, pointer_table, zero_residual)
+            raise FlashInferUnavailable(f"initialising the workspace failed: {failure}")
+        return TrtllmWorkspace(rank, world_size, layout, buffers, *parts)
+
+    @staticmethod
+    def _initialise(layout: TrtllmLayout, two_shot: SharedBuffer, flags: SharedBuffer, lamport: SharedBuffer,
+                    max_tokens: int, hidden_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Zero the barrier flags, fill the Lamport buffers, and make the kernel's state, pointer table and
+        all-zero residual on this rank's GPU; returns (state, pointer table, zero residual)."""
+        device = torch.device("cuda", torch.cuda.current_device())
+        _device_view(flags.local, flags.size, device).zero_()
+        lamport_init = importlib.import_module("flashinfer.comm.trtllm_ar").trtllm_lamport_initialize
+        lamport_init(lamport.local, lamport.size // 2, torch.float16)
+        state = torch.tensor([0, 0, 0, layout.lamport_comm_bytes, 0], dtype=torch.int32, device=device)
+        table = [*two_shot.pointers, *flags.pointers, *lamport.pointers, state.data_ptr()]
+        pointer_table = torch.tensor(table, dtype=torch.int64, device=device)
+        zero_residual = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)
+        torch.cuda.synchronize(device)
+        return state, pointer_table, zero_residual
 
     def destroy_workspace(self, handle: TrtllmWorkspace, group: dist.ProcessGroup) -> None:
         """Free a workspace; all ranks of `group` must call this together (after their kernels finished)."""

@@ -5,20 +5,23 @@ PCIe all-reduce's). The rules, which every rank follows identically:
   1. Creation is explicit (`fxfuse.prepare`, every rank with the same arguments) or happens on the
      first call that needs it, outside CUDA-graph capture; a first call *during* capture raises
      `WorkspaceNotPrepared`, since creation allocates and talks to the peers.
-  2. Creation is agreed in two rounds, each one all_reduce of (ok flag, request checksum): first every
-     rank checks locally that the kernels load and the memory is free; then every rank creates its
-     part (a collective whose own failures are agreed too, see `fxfuse.op.cuda_ipc`). If any rank fails
-     either round, or the ranks asked for different workspaces, every rank marks the key failed, logs
-     once and falls back for good, so no rank is left waiting in a collective the others skipped.
+  2. Creation is agreed in two rounds, each one exchange of (failed step, request): first every rank
+     loads the kernels (FlashInfer import and JIT) and checks that the memory is free, as local steps
+     that never raise; then every rank creates its part (a collective whose own steps are agreed too,
+     see `fxfuse.op.cuda_ipc`). If any rank fails either round, or the ranks asked for different
+     workspaces, every rank marks the key failed with the same reason (naming the rank and the step),
+     logs once and falls back for good, so no rank is left waiting in a collective the others skipped.
   3. A workspace that a captured CUDA graph may use is never freed behind the graph's back: asking
-     for more tokens makes a NEW workspace and keeps the old one alive (retired), and
-     `destroy(group)` refuses to free a workspace used during a capture unless the caller says the
-     graphs are gone (`graphs_released=True`).
+     for more tokens makes a NEW workspace and keeps the old one alive (retired), a group name that
+     comes to mean another group retires its workspaces too, and `destroy(group)` is preceded by
+     `check_destroyable`, which refuses while a workspace was used during a capture unless the caller
+     says the graphs are gone (`graphs_released=True`).
   4. `destroy` is collective (all ranks of the group call it). At interpreter exit `release_all()`
-     never talks to peers (they, or the process group, may be gone): it waits a bounded time for this
-     GPU's work to finish (a rank whose peer died mid-kernel would spin forever), then unmaps and
-     frees what it can locally; if the GPU is still busy it says so and leaves the rest to process
-     teardown.
+     never talks to peers (they, or the process group, may be gone): workspaces a capture used are
+     left to process teardown (a graph may replay them on any stream); the others are freed once
+     every stream that ran a call on them (and the current stream) finished its work within a bounded
+     wait (a rank whose peer died mid-kernel would spin forever, and freeing would block behind it);
+     if that work does not finish, it says so and leaves the rest to process teardown.
 The registry holds no tensor-parallel state beyond this cache, keyed by group name.
 """
 
@@ -34,7 +37,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from fxfuse.op.agreement import all_ranks_agree, fingerprint
+from fxfuse.op.agreement import LocalSteps, agreed_failure
 from fxfuse.op.trtllm_kernels import trtllm_layout
 
 logger = logging.getLogger(__name__)
@@ -64,12 +67,14 @@ class WorkspaceKernels(Protocol):
 
 @dataclass
 class FusionWorkspace:
-    """A ready workspace: the library's handle, its token capacity, and whether a capture used it."""
+    """A ready workspace: the library's handle, its token capacity, whether a capture used it, and
+    the CUDA streams its uncaptured calls ran on."""
 
     key: WorkspaceKey
     max_tokens: int
     handle: Any
     captured: bool = field(default=False)
+    streams: set = field(default_factory=set)
 
 
 class WorkspaceRegistry:
@@ -77,8 +82,8 @@ class WorkspaceRegistry:
 
     `kernels_factory` returns the kernel library (called once, lazily). `bytes_needed(world_size,
     max_tokens, hidden_size, dtype)` is the device memory one rank needs for a workspace (checked
-    against free memory before creating). `device_idle(timeout_s)` says whether this GPU finished its
-    work within the timeout (replaced in tests).
+    against free memory before creating). `streams_idle(streams, timeout_s)` says whether the given
+    CUDA streams (and the current one) finished their work within the timeout (replaced in tests).
     """
 
     def __init__(
@@ -86,13 +91,13 @@ class WorkspaceRegistry:
         name: str,
         kernels_factory: Callable[[], Any],
         bytes_needed: Callable[[int, int, int, torch.dtype], int],
-        device_idle: Callable[[float], bool] | None = None,
+        streams_idle: Callable[[set, float], bool] | None = None,
     ):
         self.name = name
         self._kernels_factory = kernels_factory
         self._kernels: Any = None
         self._bytes_needed = bytes_needed
-        self._device_idle = device_idle or _cuda_device_idle
+        self._streams_idle = streams_idle or _cuda_streams_idle
         self._ready: dict[WorkspaceKey, FusionWorkspace] = {}
         self._retired: list[FusionWorkspace] = []
         self._failed: dict[WorkspaceKey, str] = {}
@@ -144,20 +149,21 @@ class WorkspaceRegistry:
                 "rank before capturing (or run one step eagerly first)"
             )
         world_size = dist.get_world_size(group)
-        request = fingerprint(self.name, hidden_size, str(dtype), max_tokens)
-        local_error = self._check_here(world_size, max_tokens, hidden_size, dtype)
-        if not all_ranks_agree(local_error is None, request, group):
-            return self._mark_failed(key, local_error or "another rank could not load the kernels, or asked for another workspace")
+        request = (self.name, hidden_size, str(dtype), max_tokens)
+        steps = LocalSteps()
+        steps.run("loading the kernels (FlashInfer import and JIT)", lambda: self.kernels.load())
+        steps.run("checking free GPU memory", self._check_free_memory, world_size, max_tokens, hidden_size, dtype)
+        reason = agreed_failure(steps.failure, group, request)
+        if reason is not None:
+            return self._mark_failed(key, reason)
 
-        handle, local_error = None, None
-        try:
-            handle = create(self.kernels)
-        except Exception as exc:  # noqa: BLE001 - any failure must become an agreed fallback, not a hang
-            local_error = f"workspace creation failed: {type(exc).__name__}: {exc}"
-        if not all_ranks_agree(local_error is None, request, group):
+        steps = LocalSteps()
+        handle = steps.run("creating the workspace", create, self.kernels)
+        reason = agreed_failure(steps.failure, group, request)
+        if reason is not None:
             if handle is not None:  # only some ranks hold a part: free it locally, no collective
                 self.kernels.release_workspace(handle)
-            return self._mark_failed(key, local_error or "workspace creation failed on another rank")
+            return self._mark_failed(key, reason)
 
         if existing is not None:
             self._retired.append(self._ready.pop(key))
@@ -169,66 +175,81 @@ class WorkspaceRegistry:
         return workspace
 
     def note_use(self, workspace: FusionWorkspace) -> None:
-        """Record a call on `workspace`; one during CUDA-graph capture pins it until the graphs are released."""
-        if not workspace.captured and torch.cuda.is_current_stream_capturing():
+        """Record a call on `workspace`: one during CUDA-graph capture pins it until the graphs are
+        released; an uncaptured one records its stream, which exit waits for before freeing."""
+        if not torch.cuda.is_available():
+            return
+        if torch.cuda.is_current_stream_capturing():
             workspace.captured = True
+        else:
+            workspace.streams.add(torch.cuda.current_stream())
 
-    def destroy(self, group: dist.ProcessGroup | None = None, graphs_released: bool = False) -> None:
-        """Free the workspaces of `group` (all groups if None), retired ones too, and forget failures.
+    def group_names(self) -> set[str]:
+        """Names of the groups this registry holds workspaces (ready or retired) of."""
+        return {w.key[0] for w in self._retired} | {key[0] for key in self._ready}
 
-        Collective. Raises RuntimeError, before freeing anything, if a workspace was used while a CUDA
-        graph was captured and `graphs_released` is not True: replaying such a graph after the free
-        would write through freed memory on this GPU and its peers.
-        """
-        def mine(key: WorkspaceKey) -> bool:
-            return group is None or key[0] == group.group_name
-
-        doomed = [w for w in self._retired if mine(w.key)] + [w for k, w in self._ready.items() if mine(k)]
-        pinned = [w for w in doomed if w.captured]
+    def check_destroyable(self, group_name: str, graphs_released: bool) -> None:
+        """Raise RuntimeError if a workspace of `group_name` was used while a CUDA graph was captured
+        and `graphs_released` is not True: replaying such a graph after a free would write through
+        freed memory on this GPU and its peers. Local; `fxfuse.destroy_workspaces` agrees on it first."""
+        pinned = [w for w in self._of_group(group_name) if w.captured]
         if pinned and not graphs_released:
             raise RuntimeError(
                 f"{len(pinned)} fused all-reduce + RMSNorm {self.name} workspace(s) were used while capturing CUDA "
                 "graphs; destroy those graphs first, then call fxfuse.destroy_workspaces(group, graphs_released=True)"
             )
-        for workspace in doomed:
-            resolved = group or dist.distributed_c10d._resolve_process_group(workspace.key[0])
-            self.kernels.destroy_workspace(workspace.handle, resolved)
-        self._retired = [w for w in self._retired if not mine(w.key)]
-        self._ready = {k: w for k, w in self._ready.items() if not mine(k)}
-        self._failed = {k: r for k, r in self._failed.items() if not mine(k)}
+
+    def destroy(self, group: dist.ProcessGroup) -> None:
+        """Free the workspaces of `group`, retired ones too, and forget its failures. Collective; call
+        `check_destroyable` (agreed across ranks) first."""
+        for workspace in self._of_group(group.group_name):
+            self.kernels.destroy_workspace(workspace.handle, group)
+        self._drop(group.group_name)
+
+    def forget_group(self, group_name: str) -> None:
+        """The name now means another group: retire its ready workspaces (kept alive for graphs that
+        captured them, never handed to the new group) and forget its failures. Local."""
+        self._retired += [w for key, w in self._ready.items() if key[0] == group_name]
+        self._ready = {k: w for k, w in self._ready.items() if k[0] != group_name}
+        self._failed = {k: r for k, r in self._failed.items() if k[0] != group_name}
+
+    def _of_group(self, group_name: str) -> list[FusionWorkspace]:
+        return [w for w in self._retired if w.key[0] == group_name] + [w for k, w in self._ready.items() if k[0] == group_name]
+
+    def _drop(self, group_name: str) -> None:
+        self._retired = [w for w in self._retired if w.key[0] != group_name]
+        self._ready = {k: w for k, w in self._ready.items() if k[0] != group_name}
+        self._failed = {k: r for k, r in self._failed.items() if k[0] != group_name}
 
     def release_all(self, wait_s: float = EXIT_WAIT_S) -> None:
-        """At exit: free every workspace locally once this GPU is idle; never talks to peers or hangs."""
+        """At exit: free every workspace no capture used, locally, once the streams that used them are
+        idle; never talks to peers or hangs."""
         workspaces = self._retired + list(self._ready.values())
-        if not workspaces:
-            return
-        if not self._device_idle(wait_s):
-            print(
-                f"fxfuse: the GPU still runs work {wait_s:.0f} s into interpreter exit (a peer rank probably died "
-                f"inside a fused all-reduce); leaving {len(workspaces)} {self.name} workspace(s) to process teardown",
-                file=sys.stderr,
-            )
-        else:
-            for workspace in workspaces:
-                try:
-                    self.kernels.release_workspace(workspace.handle)
-                except Exception:  # noqa: BLE001 - best effort at interpreter exit
-                    logger.debug("releasing workspace %s failed", workspace.key, exc_info=True)
         self._ready.clear()
         self._retired.clear()
+        releasable = [w for w in workspaces if not w.captured]
+        if not releasable:
+            return
+        streams = set().union(*(w.streams for w in releasable))
+        if not self._streams_idle(streams, wait_s):
+            print(
+                f"fxfuse: the GPU still runs work {wait_s:.0f} s into interpreter exit (a peer rank probably died "
+                f"inside a fused all-reduce); leaving {len(releasable)} {self.name} workspace(s) to process teardown",
+                file=sys.stderr,
+            )
+            return
+        for workspace in releasable:
+            try:
+                self.kernels.release_workspace(workspace.handle)
+            except Exception:  # noqa: BLE001 - best effort at interpreter exit
+                logger.debug("releasing workspace %s failed", workspace.key, exc_info=True)
 
-    def _check_here(self, world_size: int, max_tokens: int, hidden_size: int, dtype: torch.dtype) -> str | None:
-        """Round 1, local part: load the kernels and check free memory; the error, or None."""
-        try:
-            self.kernels.load()
-            needed = self._bytes_needed(world_size, max_tokens, hidden_size, dtype)
-            if torch.cuda.is_available():
-                free, _ = torch.cuda.mem_get_info()
-                if free < needed:
-                    return f"{needed / 2**20:.0f} MiB needed for the workspace, {free / 2**20:.0f} MiB free"
-            return None
-        except Exception as exc:  # noqa: BLE001 - reported through the agreement round
-            return f"{type(exc).__name__}: {exc}"
+    def _check_free_memory(self, world_size: int, max_tokens: int, hidden_size: int, dtype: torch.dtype) -> None:
+        """Raise MemoryError when this GPU has less free memory than the workspace needs."""
+        needed = self._bytes_needed(world_size, max_tokens, hidden_size, dtype)
+        free = free_device_memory()
+        if free is not None and free < needed:
+            raise MemoryError(f"{needed / 2**20:.0f} MiB needed for the workspace, {free / 2**20:.0f} MiB free")
 
     def _mark_failed(self, key: WorkspaceKey, reason: str) -> None:
         self._failed[key] = reason
@@ -251,15 +272,23 @@ def workspace_bytes(world_size: int, max_tokens: int, hidden_size: int, dtype: t
     return trtllm_layout(world_size, max_tokens, hidden_size).total_bytes + max_tokens * hidden_size * dtype.itemsize
 
 
-def _cuda_device_idle(timeout_s: float) -> bool:
-    """True once the current stream (where the fused op's kernels run) finished its queued work, False
-    after `timeout_s` seconds (without blocking the host in a synchronize that may never return)."""
+def free_device_memory() -> int | None:
+    """Free bytes on the current GPU (None without CUDA)."""
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else None
+
+
+def _cuda_streams_idle(streams: set, timeout_s: float) -> bool:
+    """True once `streams` and the current stream finished their queued work, False after `timeout_s`
+    seconds (polling events: never blocking the host in a synchronize that may never return)."""
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return True
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream())
+    events = []
+    for stream in streams | {torch.cuda.current_stream()}:
+        event = torch.cuda.Event()
+        event.record(stream)
+        events.append(event)
     deadline = time.monotonic() + timeout_s
-    while not event.query():
+    while not all(event.query() for event in events):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.01)

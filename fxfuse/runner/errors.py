@@ -1,7 +1,9 @@
-"""The two ways `fxfuse run` (and the benchmarks built on its launcher) end in error; imports no torch.
+"""How `fxfuse run` (and the benchmarks built on its launcher) end early; imports no torch.
 
 `RunError`: the run cannot start (bad option, model or machine), raised before any rank starts;
-`RankFailed`: a rank raised, raised in the launching process with that rank's traceback.
+`RankFailed`: a rank raised, raised in the launching process with that rank's traceback;
+`Terminated`: the launching process got SIGTERM (raised by the handler the `fxfuse` command installs,
+so the launcher stops its ranks on the way out).
 """
 
 from __future__ import annotations
@@ -23,3 +25,8 @@ class RankFailed(RuntimeError):
         self.rank = rank
         self.error = error or message
         self.traceback = traceback_text
+
+
+class Terminated(BaseException):
+    """Raised by the `fxfuse` command's SIGTERM handler. A BaseException, like KeyboardInterrupt, so no
+    `except Exception` on the way swallows it; the launcher stops the ranks as it passes."""

@@ -5,16 +5,27 @@ each (gloo on CPU, NCCL on CUDA), calls `fn(ctx, *args)` with that rank's `Paral
 returns every rank's result in rank order. A rank that raises makes the whole call raise with that
 rank's traceback, and the other ranks are stopped, so a failure never turns into a hang; so does a
 rank that has not finished `timeout_s` seconds after the start (the error names the ranks that hung).
+The ranks never outlive the launcher: they ignore Ctrl-C (SIGINT goes to the whole terminal's process
+group; the launcher alone handles it), any exception in the launcher (KeyboardInterrupt, or whatever
+its SIGTERM handler raises) stops them before it propagates (SIGTERM, then SIGKILL after a grace
+period), and a rank whose launcher dies without cleaning up (SIGKILL) exits on its own. A rank that
+ends abnormally after reporting its result (a C++ destructor's std::terminate at exit) is named on
+stderr; the results stand.
 Under torchrun (RANK/WORLD_SIZE set) it joins the existing launch instead of spawning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
+import multiprocessing
 import os
 import pickle
+import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -28,6 +39,12 @@ from fxfuse.runner.errors import RankFailed
 
 #: NVLink multicast stays off in every process we start (see DESIGN.md / DEVICE.md).
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+#: Seconds finished ranks get to tear down their process group and exit before they are stopped.
+EXIT_GRACE_S = 5.0
+#: Seconds a rank gets between SIGTERM and SIGKILL when the launcher stops it.
+TERMINATE_GRACE_S = 2.0
+#: Exit status of a rank that found its launcher gone.
+LAUNCHER_GONE_STATUS = 3
 
 
 def under_torchrun() -> bool:
@@ -60,6 +77,7 @@ def init_rank(rank: int, world_size: int, device: str, port: int | None, timeout
 def _rank_main(rank, world_size, device, port, timeout_s, fn, args, queue):
     # A rank still running shortly before the launcher gives up prints where it is stuck (to stderr).
     faulthandler.dump_traceback_later(max(1.0, timeout_s - 5), exit=False)
+    threading.Thread(target=_exit_when_launcher_dies, name="fxfuse-launcher-watch", daemon=True).start()
     try:
         torch.manual_seed(0)
         if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: ranks must not oversubscribe the cores
@@ -102,11 +120,13 @@ def run_on_ranks(
         mp_ctx.Process(target=_rank_main, args=(r, world_size, device, port, timeout_s, fn, args, queue), daemon=True)
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
     results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
+    finished = False
     try:
+        with _sigint_ignored():  # inherited by the ranks: Ctrl-C stops them through the launcher, without tracebacks
+            for p in procs:
+                p.start()
+        deadline = time.monotonic() + timeout_s
         while len(results) < world_size:
             report = _next_report(queue, procs, results, deadline)
             if report == "timeout":
@@ -123,12 +143,69 @@ def run_on_ranks(
                 error, traceback_text = payload
                 raise RankFailed(f"rank {rank} failed:\n{traceback_text}", rank, error, traceback_text)
             results[rank] = pickle.loads(payload)
+        finished = True
     finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
+        stopped = stop_ranks(procs, EXIT_GRACE_S if finished else 0.0)
+    for rank, p in enumerate(procs):
+        if p not in stopped and p.exitcode != 0:  # after its result: say which rank wrote whatever it printed
+            print(f"fxfuse: rank {rank} ended with {_exit_status(p.exitcode)} after reporting its result "
+                  "(the result is complete; any message it printed while exiting came from it)", file=sys.stderr)
     return [results[r] for r in range(world_size)]
+
+
+def stop_ranks(procs, grace_s: float) -> list:
+    """Let the started processes of `procs` exit within `grace_s` seconds, then SIGTERM the rest, and
+    SIGKILL what is left `TERMINATE_GRACE_S` seconds later; returns, once every one has ended, those it
+    had to stop."""
+    started = [p for p in procs if p.pid is not None]
+    deadline = time.monotonic() + grace_s
+    for p in started:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    alive = [p for p in started if p.is_alive()]
+    for p in alive:
+        p.terminate()
+    deadline = time.monotonic() + TERMINATE_GRACE_S
+    for p in alive:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in alive:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return alive
+
+
+def _exit_status(code: int) -> str:
+    """A process exit code in words: `status 1`, or the signal's name (`SIGABRT`) for a negative one."""
+    if code >= 0:
+        return f"status {code}"
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+    """SIGINT ignored in this process while the block runs (in the main thread; elsewhere nothing changes).
+
+    Processes started in the block inherit the ignored disposition, and Python keeps it at start-up."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _exit_when_launcher_dies() -> None:
+    """In a rank: wait until the launching process has ended, then end this process at once (the launcher
+    normally outlives its ranks; it ends first only when killed without the chance to stop them)."""
+    launcher = multiprocessing.parent_process()
+    if launcher is not None:
+        launcher.join()
+        os._exit(LAUNCHER_GONE_STATUS)
 
 
 def _next_report(queue, procs, reported: dict[int, Any], deadline: float, poll_s: float = 0.05):

@@ -7,8 +7,11 @@
 - KV cache: MLA caches the shared latent and rotary key of every position on every rank:
   layers x batch x context x (kv_lora_rank + qk_rope_head_dim) x dtype bytes, plus the float32
   rotary tables (2 x context x qk_rope_head_dim / 2);
-- fused-op workspace: `fxfuse.op.workspace.workspace_bytes(tp, max_tokens, hidden, dtype)` at tp > 1
-  with backend fxfuse (FlashInfer's buffers and the zero residual);
+- fused-op workspace, at tp > 1 with backend fxfuse on CUDA: on NVLink / NVSwitch GPUs
+  (`interconnect="nvlink"`) the TensorRT-LLM kernel's, `fxfuse.op.workspace.workspace_bytes` for the
+  tokens it is sized for, capped as the op caps it (`fxfuse.op.policy.trtllm_token_cap`: its 32-bit
+  offsets; larger calls run the NCCL fallback); on PCIe-only GPUs (`interconnect="pcie"`) FlashInfer's
+  PCIe all-reduce's, `fxfuse.op.pcie_kernels.pcie_workspace_bytes`;
 - activations: the largest transient of the widest step (batch x step tokens), an estimate: the
   attention scores over the whole static cache (scores and masked scores in the dtype, float32
   softmax, probabilities in the dtype: batch x local heads x tokens x context x (3 x dtype + 4)), or
@@ -16,9 +19,13 @@
   largest, plus the residual stream (4 float32 copies of batch x tokens x hidden);
 - CUDA-graph outputs: every captured width keeps its float32 logits (batch x width x vocab x 4) in
   the graphs' shared pool;
-- a fixed reserve for the CUDA context, cuBLAS/NCCL workspaces and the compiler (RESERVE_BYTES).
-`MemoryPlan.check(available)` raises `PlanError` when the total exceeds `available` bytes, naming the
-largest parts and what would fit instead (a smaller batch or context, more ranks, another format).
+- the `--compare eager` reference, when the run holds one: a second copy of the weights and KV cache;
+- on CUDA, a fixed reserve for the CUDA context, cuBLAS/NCCL workspaces and the compiler (RESERVE_BYTES).
+On CPU (`device="cpu"`) there is no workspace, no CUDA graph and no reserve, and every rank shares the
+machine's memory: what must fit is tp x the per-rank total. `MemoryPlan.check(available)` raises
+`PlanError` when that exceeds `available` bytes, naming the largest parts and what would fit instead (a
+smaller batch or context, more ranks, another format, no eager reference). Every size is printed in GB
+(1e9 bytes).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from fxfuse.models.config import ModelConfig
 from fxfuse.models.quant.scheme import WEIGHT_FORMATS, QuantScheme
 
 GIB = 2**30
+GB = 10**9
 #: CUDA context, cuBLAS and NCCL workspaces, Inductor/Triton compile state: not counted elsewhere.
 RESERVE_BYTES = 2 * GIB
 #: Tensor-parallel sizes tried when saying what would fit.
@@ -55,11 +63,17 @@ class PlanInputs:
     fused_workspace: bool = False
     fp8_block: tuple[int, int] = (128, 128)
     int4_group: int = 32
+    device: str = "cuda"
+    interconnect: str = "nvlink"
+    reference_copy: bool = False
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """Per-rank bytes of each part of a run (see the module docstring for how each is counted)."""
+    """Per-rank bytes of each part of a run (see the module docstring for how each is counted).
+
+    `workspace_tokens` is the token count the fused-op workspace holds (0 without one), `hidden_size`
+    the model's (what `fxfuse tune pcie` needs to tune that workspace)."""
 
     model: str
     inputs: PlanInputs
@@ -68,42 +82,78 @@ class MemoryPlan:
     workspace_bytes: int
     activation_bytes: int
     graph_output_bytes: int
+    reference_bytes: int = 0
     reserve_bytes: int = RESERVE_BYTES
+    workspace_tokens: int = 0
+    hidden_size: int = 0
 
     @property
     def parts(self) -> dict[str, int]:
-        """Part name -> bytes, in the order printed."""
-        return {"weights": self.weight_bytes, "KV cache": self.kv_cache_bytes, "fused-op workspace": self.workspace_bytes,
-                "activations (est.)": self.activation_bytes, "CUDA-graph outputs": self.graph_output_bytes,
-                "reserve": self.reserve_bytes}
+        """Part name -> bytes, in the order printed (the eager reference only when the run holds one)."""
+        parts = {"weights": self.weight_bytes, "KV cache": self.kv_cache_bytes, "fused-op workspace": self.workspace_bytes,
+                 "activations (est.)": self.activation_bytes, "CUDA-graph outputs": self.graph_output_bytes}
+        if self.inputs.reference_copy:
+            parts["eager reference"] = self.reference_bytes
+        parts["reserve"] = self.reserve_bytes
+        return parts
 
     @property
     def total_bytes(self) -> int:
-        """Sum of every part."""
+        """Sum of every part: one rank's bytes."""
         return sum(self.parts.values())
 
+    @property
+    def needed_bytes(self) -> int:
+        """What must fit in the memory checked: one GPU's share on CUDA, every rank's on CPU (one machine)."""
+        return self.total_bytes * (self.inputs.tp if self.inputs.device == "cpu" else 1)
+
     def table(self, available: int | None = None) -> str:
-        """The plan as aligned text lines (GB = 1e9 bytes), with the verdict against `available` bytes."""
+        """The plan as aligned text lines (GB = 1e9 bytes), what it assumed, and the verdict against
+        `available` bytes."""
         i = self.inputs
         lines = [f"memory plan per rank: {self.model}, tp={i.tp}, weights {i.weights}, {str(i.dtype).removeprefix('torch.')}, "
                  f"batch {i.batch}, context {i.context}, step of {i.step_tokens} tokens per sequence"]
-        lines += [f"  {name:20s} {bytes_ / 1e9:10.2f} GB" for name, bytes_ in self.parts.items()]
-        lines.append(f"  {'total':20s} {self.total_bytes / 1e9:10.2f} GB")
+        lines += [f"  {name:20s} {bytes_ / GB:10.2f} GB" for name, bytes_ in self.parts.items()]
+        lines.append(f"  {'total':20s} {self.total_bytes / GB:10.2f} GB")
+        if i.device == "cpu":
+            lines.append(f"  {'all ' + str(i.tp) + ' ranks':20s} {self.needed_bytes / GB:10.2f} GB (one machine)")
         if available is not None:
-            verdict = "fits" if self.total_bytes <= available else "does NOT fit"
-            lines.append(f"  {verdict} in {available / 1e9:.2f} GB")
+            verdict = "fits" if self.needed_bytes <= available else "does NOT fit"
+            lines.append(f"  {verdict} in {available / GB:.2f} GB")
+        lines += [f"- {line}" for line in self.assumptions()]
         return "\n".join(lines)
 
+    def assumptions(self) -> list[str]:
+        """What the plan assumed, one sentence each: the fused op's workspace and the reserve."""
+        i = self.inputs
+        if i.device == "cpu":
+            return ["CPU: the fused op needs no workspace, and there is no CUDA graph and no reserve; all ranks share this machine"]
+        if not self.workspace_bytes:
+            workspace = "fused-op workspace: none (tp=1, or not backend fxfuse)"
+        elif i.interconnect == "pcie":
+            workspace = (f"fused-op workspace: FlashInfer's PCIe all-reduce (PCIe-only GPUs) for {self.workspace_tokens} tokens; "
+                         f"tune it once per machine: fxfuse tune pcie --world-size {i.tp} --hidden {self.hidden_size} "
+                         f"--max-tokens {self.workspace_tokens}")
+        else:
+            workspace = (f"fused-op workspace: FlashInfer's TensorRT-LLM kernel (NVLink / NVSwitch GPUs) for "
+                         f"{self.workspace_tokens} tokens; PCIe-only GPUs use FlashInfer's PCIe all-reduce instead "
+                         "(--interconnect pcie; tune it with `fxfuse tune pcie`)")
+        reserve = f"reserve: a fixed {self.reserve_bytes / GB:.2f} GB for the CUDA context, cuBLAS and NCCL workspaces and the compiler"
+        return [workspace, reserve]
+
     def check(self, available: int, config: ModelConfig) -> None:
-        """Raise PlanError (with what would fit) if the plan needs more than `available` bytes per rank."""
-        if self.total_bytes <= available:
+        """Raise PlanError (with what would fit) if the plan needs more than `available` bytes (per GPU on
+        CUDA, for all ranks on CPU)."""
+        if self.needed_bytes <= available:
             return
         largest = sorted(self.parts.items(), key=lambda kv: -kv[1])[:3]
-        parts = ", ".join(f"{name} {b / 1e9:.1f} GB" for name, b in largest)
+        parts = ", ".join(f"{name} {b / GB:.1f} GB" for name, b in largest)
         suggestions = alternatives(config, self.inputs, available, self.model)
         advice = "; ".join(suggestions) if suggestions else "nothing close to these settings fits"
-        raise PlanError(f"{self.model} needs {self.total_bytes / 1e9:.1f} GB per rank ({parts}), more than the "
-                        f"{available / 1e9:.1f} GB available; would fit: {advice}")
+        where = (f"of this machine's memory ({self.inputs.tp} ranks x {self.total_bytes / GB:.1f} GB: {parts})"
+                 if self.inputs.device == "cpu" else f"per rank ({parts})")
+        raise PlanError(f"{self.model} needs {self.needed_bytes / GB:.1f} GB {where}, more than the "
+                        f"{available / GB:.1f} GB available; would fit: {advice}")
 
 
 def plan_memory(config: ModelConfig, inputs: PlanInputs, model: str = "model") -> MemoryPlan:
@@ -114,15 +164,31 @@ def plan_memory(config: ModelConfig, inputs: PlanInputs, model: str = "model") -
 
 def _plan_with_weights(config: ModelConfig, inputs: PlanInputs, model: str, weights: int) -> MemoryPlan:
     d = inputs.dtype.itemsize
-    tokens = inputs.batch * inputs.step_tokens
-    workspace = 0
-    if inputs.fused_workspace and inputs.tp > 1:
-        from fxfuse.op.workspace import workspace_bytes
-
-        workspace = workspace_bytes(inputs.tp, tokens, config.hidden_size, inputs.dtype)
+    cuda = inputs.device == "cuda"
+    tokens, workspace = _workspace(config, inputs) if cuda else (0, 0)
     outputs = sum(inputs.batch * w * config.vocab_size * 4 for w in inputs.graph_widths)
-    return MemoryPlan(model, inputs, weights, kv_cache_bytes(config, inputs.batch, inputs.context, inputs.dtype),
-                      workspace, activation_bytes(config, inputs.tp, inputs.batch, inputs.step_tokens, inputs.context, d), outputs)
+    kv_cache = kv_cache_bytes(config, inputs.batch, inputs.context, inputs.dtype)
+    return MemoryPlan(model, inputs, weights, kv_cache, workspace,
+                      activation_bytes(config, inputs.tp, inputs.batch, inputs.step_tokens, inputs.context, d), outputs,
+                      reference_bytes=weights + kv_cache if inputs.reference_copy else 0,
+                      reserve_bytes=RESERVE_BYTES if cuda else 0, workspace_tokens=tokens, hidden_size=config.hidden_size)
+
+
+def _workspace(config: ModelConfig, inputs: PlanInputs) -> tuple[int, int]:
+    """(tokens, bytes) of one rank's fused-op workspace: none at tp=1 or without backend fxfuse; else
+    the TensorRT-LLM kernel's, capped as the op caps it, or the PCIe all-reduce's."""
+    if not inputs.fused_workspace or inputs.tp == 1:
+        return 0, 0
+    tokens = inputs.batch * inputs.step_tokens
+    if inputs.interconnect == "pcie":
+        from fxfuse.op.pcie_kernels import pcie_workspace_bytes
+
+        return tokens, pcie_workspace_bytes(inputs.tp, tokens, config.hidden_size, inputs.dtype)
+    from fxfuse.op.policy import trtllm_token_cap
+    from fxfuse.op.workspace import workspace_bytes
+
+    tokens = min(tokens, trtllm_token_cap(inputs.tp, config.hidden_size))
+    return tokens, workspace_bytes(inputs.tp, tokens, config.hidden_size, inputs.dtype)
 
 
 def kv_cache_bytes(config: ModelConfig, batch: int, context: int, dtype: torch.dtype) -> int:
@@ -147,18 +213,29 @@ def activation_bytes(config: ModelConfig, tp: int, batch: int, tokens: int, cont
 def weight_bytes(config: ModelConfig, tp: int, weights: str, dtype: torch.dtype,
                  fp8_block: tuple[int, int] = (128, 128), int4_group: int = 32) -> int:
     """Bytes of one rank's parameters: the model built on the meta device for this tp and format."""
-    from fxfuse.models.deepseek_v3 import DeepseekV3ForCausalLM
-    from fxfuse.models.parallel import ParallelContext
-
-    ctx = ParallelContext(rank=0, world_size=tp, group=_NO_GROUP if tp > 1 else None)
-    scheme = QuantScheme(weights, fp8_block=fp8_block, int4_group=int4_group)
-    model = DeepseekV3ForCausalLM(config, ctx, dtype=dtype, device="meta", max_batch=1, max_seq_len=1, quant=scheme)
+    model = meta_model(config, tp, dtype, QuantScheme(weights, fp8_block=fp8_block, int4_group=int4_group))
     seen, total = set(), 0
     for param in model.parameters():  # tied embeddings count once
         if id(param) not in seen:
             seen.add(id(param))
             total += param.numel() * param.element_size()
     return total
+
+
+def meta_model(config: ModelConfig, tp: int, dtype: torch.dtype, quant: QuantScheme):
+    """Rank 0's shard of the model at tensor-parallel size `tp`, built on the meta device (no memory, no
+    process group): its parameters have the shapes, dtypes and formats a real rank would load."""
+    from fxfuse.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+    return DeepseekV3ForCausalLM(config, meta_context(tp), dtype=dtype, device="meta", max_batch=1, max_seq_len=1, quant=quant)
+
+
+def meta_context(tp: int):
+    """A `ParallelContext` of rank 0 at size `tp` for models built on the meta device (which only read
+    rank and world size, never the group)."""
+    from fxfuse.models.parallel import ParallelContext
+
+    return ParallelContext(rank=0, world_size=tp, group=_NO_GROUP if tp > 1 else None)
 
 
 #: Stands in for a process group: building the model only reads rank and world size.
@@ -181,7 +258,7 @@ def alternatives(config: ModelConfig, inputs: PlanInputs, available: int, model:
     def fits(**changes) -> bool:
         changed = replace(inputs, **changes)
         weights = weights_for(changed.tp, changed.weights)
-        return weights is not None and _plan_with_weights(config, changed, model, weights).total_bytes <= available
+        return weights is not None and _plan_with_weights(config, changed, model, weights).needed_bytes <= available
 
     found = []
     batch = _largest(lambda b: fits(batch=b), inputs.batch - 1)
@@ -196,6 +273,8 @@ def alternatives(config: ModelConfig, inputs: PlanInputs, available: int, model:
     formats = [fmt for fmt in WEIGHT_FORMATS if fmt != inputs.weights and fits(weights=fmt)]
     if formats:
         found.append("--weights " + " or ".join(formats))
+    if inputs.reference_copy and fits(reference_copy=False):
+        found.append("--compare none (no eager copy of the model)")
     return found
 
 

@@ -1,12 +1,17 @@
 """`fxfuse run` options and their validation, without importing torch (CUDA checks aside).
 
-`RunOptions` is everything `fxfuse run` takes. `prepare_run(options)` checks it in the launching
-process, before any rank starts, and returns a `RunSetup` (the options with the CUDA-graph choice
-resolved, the model config, where the weights come from) or raises `RunError` with a message that
-names the problem: unknown preset, unreadable checkpoint, tp size that does not divide the model,
-CUDA asked where there is none, more GPUs asked than present, bad backend or dtype, CUDA graphs
-without CUDA, a step width above 128, a KV cache longer than the model allows, or a model that
-cannot fit in this machine's memory on CPU. `fxfuse.runner.setup` then builds the model on each rank.
+`RunOptions` is everything `fxfuse run` takes; its defaults are the built-in job: the tiny preset
+compiled with the fxfuse backend at tp=2 on CPU and checked against the eager model. `prepare_run(options)`
+checks it in the launching process, before any rank starts, and returns a `RunSetup` (the options with
+the CUDA-graph and inner-compiler choices resolved, the model config, where the weights come from) or
+raises `RunError` with a message that names the problem: unknown preset, unreadable or malformed
+checkpoint (its config.json, or its safetensors headers), tp size that does not divide the model (naming
+the sizes that do), CUDA asked where there is none, more GPUs asked than present, bad backend, inner
+compiler or dtype, CUDA graphs or graph widths without CUDA, a step width above 128, a KV cache longer
+than the model allows, a bad FXFUSE_* setting of the fused op, or a memory plan that does not fit the
+GPU (CUDA) or this machine's memory (CPU: every rank shares it). The cheap checks come first and need
+no torch; the settings' thresholds file, the checkpoint headers and the memory plan import it.
+`fxfuse.runner.setup` then builds the model on each rank.
 """
 
 from __future__ import annotations
@@ -21,6 +26,11 @@ from fxfuse.runner.errors import RunError
 
 #: How a step can be compiled (`fxfuse.runner.step_backends.compile_step`).
 BACKENDS = ("eager", "inductor", "fxfuse")
+#: What compiles the graph after the fxfuse passes (`fxfuse.backend.FxfuseBackend(inner=...)`), and the
+#: default per device: on CPU eager shows the fusion fastest (the built-in job's two compiles took 37 s
+#: with it on 2 cores, 2 min 25 s with Inductor's C++ code generation); on CUDA, Inductor.
+INNER_COMPILERS = ("eager", "inductor")
+DEFAULT_INNER = {"cpu": "eager", "cuda": "inductor"}
 #: `--compare` targets, `--dtype` names (with their size in bytes) and `--device` names.
 COMPARE_TARGETS = ("none", "eager", "hf")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -37,8 +47,9 @@ FULL_RANDOM_STATE_LIMIT = 500_000_000
 class RunOptions:
     """Everything `fxfuse run` takes; defaults are the README's built-in job.
 
-    `cuda_graph` None means: on for device cuda, off for cpu. `graph_widths` are the step widths
-    (tokens per sequence) that get a captured graph; other widths run uncaptured.
+    `inner` None means the device's default (`DEFAULT_INNER`; backend fxfuse only). `cuda_graph` None
+    means: on for device cuda, off for cpu. `graph_widths` are the step widths (tokens per sequence)
+    that get a captured graph (None: `DEFAULT_WIDTHS`); other widths run uncaptured.
     """
 
     preset: str | None = "tiny"
@@ -46,16 +57,17 @@ class RunOptions:
     layers: int | None = None
     tp: int = 2
     device: str = "cpu"
-    backend: str = "eager"
+    backend: str = "fxfuse"
+    inner: str | None = None
     dtype: str = "float32"
     batch: int = 2
     prompt_len: int = 12
     tokens_per_step: int = 1
     steps: int = 4
-    compare: str = "none"
+    compare: str = "eager"
     seed: int = 0
     cuda_graph: bool | None = None
-    graph_widths: tuple[int, ...] = DEFAULT_WIDTHS
+    graph_widths: tuple[int, ...] | None = None
     weights: str = "bf16"
 
 
@@ -63,8 +75,9 @@ class RunOptions:
 class RunSetup:
     """A validated run: the resolved options, the model config and where the weights come from.
 
-    In `options`, `cuda_graph` is a bool and `graph_widths` the widths that get a CUDA graph,
-    ascending (empty without CUDA graphs), so the summary's copy of the options says what ran.
+    In `options`, `cuda_graph` is a bool, `graph_widths` the widths that get a CUDA graph, ascending
+    (empty without CUDA graphs) and `inner` the inner compiler of backend fxfuse (None for the other
+    backends), so the summary's copy of the options says what ran.
     """
 
     options: RunOptions
@@ -82,6 +95,13 @@ class RunSetup:
     def graph_widths(self) -> tuple[int, ...]:
         """The widths that get a CUDA graph, ascending; empty without CUDA graphs."""
         return self.options.graph_widths
+
+    @property
+    def dynamic_shapes(self) -> bool:
+        """Whether the step is compiled for dynamic shapes: where CUDA graphs capture several widths, one
+        graph then serves them all; otherwise the run compiles two static shapes, the prefill and the
+        verify step (faster to compile: the model's einsums trace slowly over symbolic sizes)."""
+        return self.cuda_graph
 
     @property
     def max_seq_len(self) -> int:
@@ -104,6 +124,10 @@ def prepare_run(options: RunOptions) -> RunSetup:
     _check_choice("compare", options.compare, COMPARE_TARGETS)
     _check_choice("dtype", options.dtype, DTYPE_BYTES)
     _check_choice("device", options.device, DEVICES)
+    if options.inner is not None:
+        _check_choice("inner compiler", options.inner, INNER_COMPILERS)
+        if options.backend != "fxfuse":
+            raise RunError(f"--inner applies to --backend fxfuse only (got --backend {options.backend})")
     for name, flag in (("tp", "--tp"), ("batch", "--batch"), ("prompt_len", "--prompt-len"),
                        ("tokens_per_step", "--tokens"), ("steps", "--steps")):
         if getattr(options, name) < 1:
@@ -112,13 +136,12 @@ def prepare_run(options: RunOptions) -> RunSetup:
         raise RunError(f"--tokens must be at most {MAX_STEP_WIDTH} (got {options.tokens_per_step})")
     _check_device(options.device, options.tp)
     options = _resolve_graphs(options)
+    if options.backend == "fxfuse":
+        options = replace(options, inner=options.inner or DEFAULT_INNER[options.device])
     if bool(options.checkpoint) == bool(options.preset):
         raise RunError("give exactly one of --preset NAME or --checkpoint DIR")
     config, name = resolve_model(options.preset, options.checkpoint, options.layers)
-    try:
-        config.check_tensor_parallel(options.tp)
-    except ValueError as exc:
-        raise RunError(str(exc)) from exc
+    check_tp(config, options.tp)
     cache_len = needed_cache_len(options, options.graph_widths)
     if cache_len > config.max_position_embeddings:
         raise RunError(
@@ -129,19 +152,56 @@ def prepare_run(options: RunOptions) -> RunSetup:
     full_random = not options.checkpoint and config.num_parameters() <= FULL_RANDOM_STATE_LIMIT
     if options.compare == "hf" and not (options.checkpoint or full_random):
         raise RunError(f"--compare hf needs a checkpoint or a model under {FULL_RANDOM_STATE_LIMIT:,} parameters")
-    if options.device == "cpu":
+    if options.device == "cpu":  # the weights alone, from the config: no torch needed to refuse a huge model
         copies = 2 if options.compare == "eager" else 1
         check_host_memory(config, options.dtype, copies, "use --preset tiny or fewer --layers")
-    quant = QuantScheme()
-    if options.weights != "bf16" or options.device == "cuda":  # needs torch: the memory plan builds the model on meta
-        from fxfuse.runner.quant_setup import check_fits, weight_scheme
+    interconnect = "nvlink"
+    if options.backend == "fxfuse":
+        from fxfuse.runner.op_settings import checked_op_settings, planned_interconnect
 
-        try:
-            quant = weight_scheme(options, config)
-            check_fits(options, config, name, quant, options.graph_widths, cache_len)
-        except ValueError as exc:
-            raise RunError(str(exc)) from exc
+        interconnect = planned_interconnect(checked_op_settings())
+    quant = _check_weights_and_memory(options, config, name, cache_len, interconnect)
     return RunSetup(options=options, config=config, model_name=name, full_random_state=full_random, quant=quant)
+
+
+def _check_weights_and_memory(options: RunOptions, config: ModelConfig, name: str, cache_len: int, interconnect: str) -> QuantScheme:
+    """The run's weight format, after checking that the model can be built that way, that the checkpoint's
+    headers match it and that the memory plan fits (GPU 0 on CUDA, this machine on CPU); imports torch."""
+    from fxfuse.runner.quant_setup import check_fits, weight_scheme
+
+    try:
+        quant = weight_scheme(options, config)
+        available = None if options.device == "cuda" else available_host_memory()  # CUDA: GPU 0's, asked by check_fits
+        check_fits(options, config, name, quant, options.graph_widths, cache_len, interconnect, available)
+    except ValueError as exc:
+        raise RunError(str(exc)) from exc
+    if options.checkpoint:
+        import torch
+
+        from fxfuse.runner.checkpoint_check import check_checkpoint
+
+        check_checkpoint(options.checkpoint, config, options.tp, getattr(torch, options.dtype), quant)
+    return quant
+
+
+def check_tp(config: ModelConfig, tp: int) -> None:
+    """Raise RunError when `tp` ranks cannot split `config`, naming the dimensions and the sizes that can."""
+    try:
+        config.check_tensor_parallel(tp)
+    except ValueError as exc:
+        raise RunError(f"{exc}; tensor-parallel sizes that fit this model: {', '.join(map(str, tp_sizes(config)))}") from None
+
+
+def tp_sizes(config: ModelConfig) -> list[int]:
+    """Every tensor-parallel size that splits `config` evenly (each divides the attention heads)."""
+    sizes = []
+    for size in range(1, config.num_attention_heads + 1):
+        try:
+            config.check_tensor_parallel(size)
+        except ValueError:
+            continue
+        sizes.append(size)
+    return sizes
 
 
 def needed_cache_len(options: RunOptions, graph_widths: tuple[int, ...]) -> int:
@@ -170,6 +230,9 @@ def resolve_model(preset: str | None, checkpoint: str | None, layers: int | None
 
 def checkpoint_config(directory: str) -> ModelConfig:
     """The `ModelConfig` of `directory/config.json`; RunError naming the directory or file if unreadable."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise RunError(f"--checkpoint {directory!r} is a file; give the directory that holds config.json and the "
+                       ".safetensors files")
     if not os.path.isdir(directory):
         raise RunError(f"checkpoint directory {directory!r} has no config.json: the directory does not exist")
     path = os.path.join(directory, "config.json")
@@ -208,13 +271,16 @@ def available_host_memory() -> int | None:
 
 def _resolve_graphs(options: RunOptions) -> RunOptions:
     """The options with `cuda_graph` decided (on by default for cuda, refused on cpu) and
-    `graph_widths` the sorted widths to capture (empty without CUDA graphs)."""
+    `graph_widths` the sorted widths to capture (empty without CUDA graphs; given without them: refused)."""
     cuda_graph = options.device == "cuda" if options.cuda_graph is None else options.cuda_graph
     if cuda_graph and options.device != "cuda":
         raise RunError("--cuda-graph needs --device cuda (CUDA graphs capture GPU work)")
-    widths = tuple(sorted(set(options.graph_widths)))
+    if options.graph_widths is not None and not cuda_graph:
+        needs = "--device cuda" if options.device != "cuda" else "CUDA graphs (drop --no-cuda-graph)"
+        raise RunError(f"--graph-widths needs {needs}: the widths are those that get a CUDA graph")
+    widths = tuple(sorted(set(DEFAULT_WIDTHS if options.graph_widths is None else options.graph_widths)))
     if not widths or not all(1 <= w <= MAX_STEP_WIDTH for w in widths):
-        raise RunError(f"--graph-widths must be widths between 1 and {MAX_STEP_WIDTH} (got {list(options.graph_widths)})")
+        raise RunError(f"--graph-widths must be widths between 1 and {MAX_STEP_WIDTH} (got {list(widths)})")
     return replace(options, cuda_graph=cuda_graph, graph_widths=widths if cuda_graph else ())
 
 

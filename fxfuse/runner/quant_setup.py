@@ -5,8 +5,9 @@
 block or group size is used) or random weights (quantized from random floats); the FP8 GEMM comes from
 FXFUSE_FP8_GEMM ("w8a16", the default, or "w8a8"). `check_fits` builds the memory plan
 (fxfuse/runner/memory_plan.py; the model on the meta device, so a quantized layout that tp cannot
-split is refused here) and, on CUDA, raises when it exceeds GPU 0's memory, saying what would fit.
-Both raise ValueError with a message for the user.
+split is refused here) and raises when it exceeds GPU 0's memory on CUDA, or on CPU the memory this
+machine has available for all ranks together, saying what would fit. Both raise ValueError with a
+message for the user.
 """
 
 from __future__ import annotations
@@ -50,14 +51,18 @@ def bench_scheme(weights: str) -> QuantScheme:
     return QuantScheme(weights, fp8_gemm=gemm)
 
 
-def check_fits(options, config: ModelConfig, name: str, quant: QuantScheme, graph_widths: tuple[int, ...], cache_len: int) -> None:
-    """Raise ValueError if the model cannot be built this way, or (on CUDA, with what would fit) if one
-    rank's memory plan exceeds GPU 0's memory."""
+def check_fits(options, config: ModelConfig, name: str, quant: QuantScheme, graph_widths: tuple[int, ...], cache_len: int,
+               interconnect: str = "nvlink", host_available: int | None = None) -> None:
+    """Raise ValueError if the model cannot be built this way, or (with what would fit) if the memory plan
+    exceeds GPU 0's memory on CUDA, or `host_available` bytes for all ranks on CPU (unchecked if None).
+    `interconnect` says which fused-op workspace to count (`fxfuse.runner.op_settings.INTERCONNECTS`)."""
     inputs = PlanInputs(
         tp=options.tp, weights=quant.weights, dtype=getattr(torch, options.dtype), batch=options.batch, context=cache_len,
         step_tokens=max(options.prompt_len, options.tokens_per_step, *graph_widths), graph_widths=graph_widths,
         fused_workspace=options.backend == "fxfuse", fp8_block=quant.fp8_block, int4_group=quant.int4_group,
+        device=options.device, interconnect=interconnect, reference_copy=options.compare == "eager",
     )
     plan = plan_memory(config, inputs, name)
-    if options.device == "cuda":
-        plan.check(device_memory_bytes(), config)
+    available = device_memory_bytes() if options.device == "cuda" else host_available
+    if available is not None:
+        plan.check(available, config)

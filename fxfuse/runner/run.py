@@ -1,12 +1,13 @@
 """The model runner behind `fxfuse run`: build, load, compile, capture and step a tensor-parallel DeepSeek-V3.
 
 `run(options)` validates everything it can in the launching process (preset, checkpoint, tp
-size, device, step and graph widths), then starts one process per rank (or joins torchrun), and
-on each rank: builds the model, loads weights (checkpoint, or deterministic random weights),
-compiles the step with the chosen backend, on CUDA captures one CUDA graph per step-width bucket
-(after `fxfuse.prepare` for backend fxfuse), prefills a random prompt and runs greedy speculative
-verify steps of `tokens_per_step` tokens. It returns rank 0's summary (the `--json` document).
-Rank 0 reports progress of the long phases on stderr.
+size, device, step and graph widths, the op's settings, the memory plan), then starts one process
+per rank (or joins torchrun), and on each rank: builds the model, loads weights (checkpoint, or
+deterministic random weights), compiles the step with the chosen backend, on CUDA captures one CUDA
+graph per step-width bucket (after `fxfuse.prepare` for backend fxfuse), prefills a random prompt and
+runs greedy speculative verify steps of `tokens_per_step` tokens. It returns rank 0's summary (the
+`--json` document), which for backend fxfuse says how many all-reduce sites were fused and what the
+fused op ran (its `fused_op` field). Rank 0 reports progress of the long phases on stderr.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def run_rank(ctx: ParallelContext, setup: RunSetup) -> dict:
     weights = "checkpoint" if options.checkpoint else "random"
     with progress.phase(f"building {setup.model_name} ({setup.config.num_hidden_layers} layers, {weights} weights) on {device}", heartbeat_s=HEARTBEAT_S):
         model = build_model(setup, ctx, device)
-    compiled = compile_step(model, options.backend)
+    compiled = compile_step(model, options.backend, inner=options.inner or "inductor", dynamic=setup.dynamic_shapes)
     fused_kernel_ready = _prepare_fused_kernel(ctx, setup, device) if options.backend == "fxfuse" else None
     generator = torch.Generator().manual_seed(options.seed)
     prompt = torch.randint(0, setup.config.vocab_size, (options.batch, options.prompt_len), generator=generator)
@@ -108,11 +109,13 @@ def run_rank(ctx: ParallelContext, setup: RunSetup) -> dict:
         drafts = next_drafts(predicted, accepted, width)
 
     step_ms = 1000 * statistics.median(step_seconds)
+    fusion = compiled.fusion_summary()
     return {
         "rank": ctx.rank,
         "tp": ctx.world_size,
         "device": options.device,
         "backend": options.backend,
+        "inner_compiler": options.inner,
         "dtype": options.dtype,
         "weights": options.weights,
         "model": setup.model_name,
@@ -130,7 +133,8 @@ def run_rank(ctx: ParallelContext, setup: RunSetup) -> dict:
         "step_ms_p90": 1000 * _percentile(step_seconds, 0.9),
         "tokens_per_s": options.batch * width * 1000 / step_ms,
         "peak_gpu_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
-        **compiled.fusion_summary(),
+        **fusion,
+        "fused_op": fused_op_ran(device.type, fusion["fused_sites"]),
         "fused_kernel_ready": fused_kernel_ready,
         "tokens": generated[0],
         "accepted_drafts": accepted_per_step,
@@ -150,7 +154,7 @@ def _compile_uncaptured_shapes(step, setup: RunSetup, prompt, positions, device,
     verify_positions = o.prompt_len + torch.arange(o.tokens_per_step).repeat(o.batch, 1)
     shapes = [("prefill", prompt, positions), ("verify step", torch.zeros_like(verify_positions), verify_positions)]
     shapes = [shape for shape in shapes if shape[1].shape[1] not in setup.graph_widths]
-    stages = "dynamo, then AOT autograd, the fxfuse passes and Inductor" if o.backend == "fxfuse" else "dynamo, then Inductor"
+    stages = f"dynamo, then AOT autograd, the fxfuse passes and {o.inner}" if o.backend == "fxfuse" else "dynamo, then Inductor"
     for count, (what, ids, pos) in enumerate(shapes, 1):
         message = f"{o.backend}: compiling the {what}, {o.batch} x {ids.shape[1]} tokens ({count}/{len(shapes)}; {stages})"
         with progress.phase(message, heartbeat_s=HEARTBEAT_S):
@@ -174,6 +178,43 @@ def _prepare_fused_kernel(ctx: ParallelContext, setup: RunSetup, device: torch.d
     import fxfuse
 
     return fxfuse.prepare(ctx.group, setup.config.hidden_size, DTYPES[setup.options.dtype], setup.fused_kernel_tokens)
+
+
+#: What the fused op runs on CPU (`fxfuse.op.schema`'s CPU kernel).
+CPU_KERNEL = "the CPU reference kernel: gloo all-reduce + float32 RMSNorm"
+#: How `fused_op_ran` names each implementation of the fused op on CUDA (`fxfuse.op.modes.FusionMode` values).
+CUDA_IMPLEMENTATIONS = {
+    "oneshot": "FlashInfer's TensorRT-LLM kernel (one-shot)",
+    "twoshot": "FlashInfer's TensorRT-LLM kernel (two-shot)",
+    "pcie": "FlashInfer's PCIe all-reduce + fused add-RMSNorm",
+}
+
+
+def fused_op_ran(device_type: str, fused_sites: int | None) -> str | None:
+    """What the fused op ran in this process, in words: None without fused sites; on CPU its reference
+    kernel; on CUDA each implementation with its call count, from `fxfuse.prepare`'s `fusion_stats()`."""
+    if not fused_sites:
+        return None
+    if device_type != "cuda":
+        return CPU_KERNEL
+    from fxfuse.op.prepare import fusion_stats
+
+    return describe_fusion_stats(fusion_stats())
+
+
+def describe_fusion_stats(stats: dict) -> str:
+    """`fusion_stats()` in words: each implementation and its calls (issued from Python: CUDA-graph
+    replays are not counted), the NCCL fallback by reason."""
+    calls: dict[str, int] = {}
+    for (_group, mode, _hidden, _dtype), count in stats["fused"].items():
+        name = CUDA_IMPLEMENTATIONS.get(mode, mode)
+        calls[name] = calls.get(name, 0) + count
+    for reason, count in stats["fallback"].items():
+        calls[f"NCCL all-reduce + fused add-RMSNorm ({reason})"] = count
+    if not calls:
+        return "no call yet"
+    listed = "; ".join(f"{name}: {count} call{'s' if count != 1 else ''}" for name, count in calls.items())
+    return f"{listed} (calls issued from Python; CUDA-graph replays are not counted)"
 
 
 def _percentile(values: list[float], q: float) -> float:

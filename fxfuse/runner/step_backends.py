@@ -1,11 +1,11 @@
 """How a model step is compiled for the runner and the model benchmark: eager, Inductor or fxfuse.
 
 `compile_step(model, backend)` returns a `CompiledStep`: the callable that runs one forward
-(`step(input_ids, positions)`), and for backend "fxfuse" the `FxfuseBackend` object whose
-records say what the fusion pass found (`CompiledStep.fusion_summary()`). All compiled variants
-use `fullgraph=True` (a graph break fails loudly) and dynamic shapes, so one graph serves many
-batch sizes and step widths (torch still specializes sizes of 1: a 1-token step or a batch of 1
-gets its own graph).
+(`step(input_ids, positions)`), and for backend "fxfuse" the `FxfuseBackend` object (with its inner
+compiler, Inductor or eager) whose records say what the fusion pass found
+(`CompiledStep.fusion_summary()`). All compiled variants use `fullgraph=True` (a graph break fails
+loudly) and, unless `dynamic=False`, dynamic shapes, so one graph serves many batch sizes and step
+widths (torch still specializes sizes of 1: a 1-token step or a batch of 1 gets its own graph).
 """
 
 from __future__ import annotations
@@ -36,20 +36,22 @@ class CompiledStep:
         return fusion_summary(self.fxfuse_backend)
 
 
-def compile_step(model: torch.nn.Module, backend: str, fuse_without_fast_kernel: bool = False) -> CompiledStep:
+def compile_step(model: torch.nn.Module, backend: str, fuse_without_fast_kernel: bool = False, inner: str = "inductor",
+                 dynamic: bool = True) -> CompiledStep:
     """Wrap `model` for `backend`: the module itself (eager), or torch.compile with Inductor or fxfuse.
 
-    Compilation happens lazily, on the first call with each new shape class. `fuse_without_fast_kernel`
-    is handed to the fxfuse backend (fuse sites where only the op's fallback can run: benchmarks).
+    Compilation happens lazily, on the first call with each new shape class (every new shape when
+    `dynamic` is False). `fuse_without_fast_kernel` (fuse sites where only the op's fallback can run:
+    benchmarks) and `inner` (what compiles the graph after the passes) are handed to the fxfuse backend.
     """
     if backend == "eager":
         return CompiledStep(backend, model)
     if backend == "inductor":
-        return CompiledStep(backend, torch.compile(model, backend="inductor", fullgraph=True, dynamic=True))
+        return CompiledStep(backend, torch.compile(model, backend="inductor", fullgraph=True, dynamic=dynamic))
     if backend == "fxfuse":
         from fxfuse.backend import FxfuseBackend
 
-        fxfuse_backend = FxfuseBackend(fuse_without_fast_kernel=fuse_without_fast_kernel)
-        step = torch.compile(model, backend=fxfuse_backend, fullgraph=True, dynamic=True)
+        fxfuse_backend = FxfuseBackend(inner=inner, fuse_without_fast_kernel=fuse_without_fast_kernel)
+        step = torch.compile(model, backend=fxfuse_backend, fullgraph=True, dynamic=dynamic)
         return CompiledStep(backend, step, fxfuse_backend)
     raise ValueError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")

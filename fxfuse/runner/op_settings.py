@@ -1,0 +1,52 @@
+"""The fused op's FXFUSE_* settings, checked in the launching process before any rank starts.
+
+The op reads its settings (`fxfuse.op.settings`) and its thresholds file (`fxfuse.op.thresholds`) on
+each rank when it first runs: a bad value found there ends a run late, on every rank at once, or not at
+all where the op never reads it (the CPU kernel). `check_op_settings(environ)` parses them up front with
+the op's own parsers and raises RunError naming the variable and what is wrong. Importing this module
+imports no torch; the check imports it (through the thresholds parser) only when FXFUSE_THRESHOLDS is set.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Mapping
+
+from fxfuse.runner.errors import RunError
+
+if TYPE_CHECKING:
+    from fxfuse.op.settings import FusionSettings
+
+#: What the fused op's workspace is planned for (`fxfuse.runner.memory_plan`): FlashInfer's TensorRT-LLM
+#: kernel on NVLink / NVSwitch GPUs, or its PCIe all-reduce on PCIe-only GPUs.
+INTERCONNECTS = ("nvlink", "pcie")
+#: The variable naming the thresholds file (`fxfuse.op.thresholds.ENV_THRESHOLDS`, whose module imports torch).
+THRESHOLDS_ENV = "FXFUSE_THRESHOLDS"
+
+
+def checked_op_settings(environ: Mapping[str, str] = os.environ) -> FusionSettings:
+    """The op's settings from `environ`; RunError if FXFUSE_FUSION, FXFUSE_MAX_TOKENS, FXFUSE_TOPOLOGY or
+    FXFUSE_PCIE_PROFILE holds a value the op does not understand, or FXFUSE_THRESHOLDS names a file that
+    is missing or not a thresholds table."""
+    from fxfuse.op.settings import settings_from_env
+
+    try:
+        settings = settings_from_env(environ)
+    except ValueError as exc:
+        raise RunError(f"bad setting {exc}") from None
+    if environ.get(THRESHOLDS_ENV):
+        from fxfuse.op.thresholds import load_thresholds
+
+        try:
+            load_thresholds(environ=environ)
+        except ValueError as exc:  # ThresholdsError: names the file and what is wrong with it
+            raise RunError(f"bad setting {THRESHOLDS_ENV}: {exc}") from None
+    return settings
+
+
+def planned_interconnect(settings: FusionSettings) -> str:
+    """The workspace the memory plan counts for `settings`: "pcie" (FlashInfer's PCIe all-reduce) when
+    they name PCIe (FXFUSE_TOPOLOGY=pcie or FXFUSE_FUSION=pcie), else "nvlink" (the TensorRT-LLM kernel)."""
+    pcie = (settings.topology is not None and settings.topology.value == "pcie") or (
+        settings.force_mode is not None and settings.force_mode.value == "pcie")
+    return "pcie" if pcie else "nvlink"
