@@ -103,8 +103,11 @@ class OriginalPlaces:
     def restore(self, graph: torch.fx.Graph, collective: torch.fx.Node, reduced: Iterable, group_name: str) -> None:
         """Issue `collective`, which replaces the all-reduces over `group_name` of the `reduced` values
         (now erased from `graph`), where the last of them was (right after the node that preceded it);
-        the nodes it needs that come later move up with it, in their order. No-op if no such all-reduce
-        was erased. Call it only after the rewrite has erased what it replaces."""
+        the nodes it needs that come later move up with it, in their order. No-op for a collective that
+        was in the graph before, or if no such all-reduce was erased. Call it only after the rewrite has
+        erased what it replaces."""
+        if collective in self.position:
+            return
         if self._alive is None:
             self._alive = set(graph.nodes)
         alive = self._alive

@@ -266,7 +266,9 @@ def _residual_add(writer: _Writer, layer: Layer, i: int, r: str) -> None:
     if layer.residual in spelled:
         writer.line(f"h{i} = {spelled[layer.residual]}")
         return
-    writer.line(f"k{i} = {r} * 1")  # an intermediate to add into (never a graph input or another output)
+    # a residual of fewer dimensions than the sum (a [hidden] vector, or the sum unsqueezed) takes its shape first
+    broadcast = (i == 0 and layer.residual_source == "broadcast") or layer.reduce in ("unsqueeze", "view3d")
+    writer.line(f"k{i} = {r}{f'.expand_as({s})' if broadcast else ''} * 1")  # an intermediate to add into
     writer.line(f"k{i}.add_({s}, alpha=2.0)" if layer.residual == "inplace_alpha" else f"k{i}.add_({s})")
     writer.line(f"h{i} = k{i}")
 

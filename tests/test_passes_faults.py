@@ -243,6 +243,19 @@ def test_merged_all_reduce_issued_where_the_later_one_was(group):
     compiled_like_eager(block, *inputs((4, H), (4, H), (4, H), (4, H), (H,)), fused=1, merged=1)
 
 
+def test_merge_leaves_a_later_all_reduce_of_a_partial_in_place(group):
+    """An all-reduce of a value computed from a merged partial sum stays after the merged all-reduce."""
+
+    def block(a, b, w, r, nw):
+        routed = ar(a, group)
+        shared = ar(b * 2, group)
+        third = ar(a @ w, group)  # issued before the sum: the merged all-reduce is not its original
+        h = r + (routed + shared)
+        return rmsnorm(h, nw), h, third
+
+    compiled_like_eager(block, *inputs((4, H), (4, H), (H, H), (4, H), (H,)), fused=1, merged=1)
+
+
 def test_no_merge_across_another_collective(group):
     """A collective issued between the two all-reduces stays between them: no merge, with the reason."""
     other = dist.new_group([0, 1])
