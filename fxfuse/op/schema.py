@@ -41,10 +41,10 @@ import functools
 import torch
 import torch.distributed as dist
 
-from fxfuse.op import native_fallback
-from fxfuse.op.group_config import agreed_config
+from fxfuse.op import fp8_schema, native_fallback
+from fxfuse.op.cpu_kernel import allreduce_residual_rmsnorm_cpu
 from fxfuse.op.native_build import load_native_library
-from fxfuse.op.reference import add_rmsnorm, check_arguments, resolve_group, writable_in_place
+from fxfuse.op.reference import add_rmsnorm, check_arguments
 
 OP_NAME = "fxfuse::allreduce_residual_rmsnorm"
 _RESULTS = "(Tensor normed, Tensor residual_out)"
@@ -78,21 +78,6 @@ torch.library.define(
     NORM_INTO_OP,
     "(Tensor reduced, Tensor? residual, Tensor weight, float eps, Tensor(a!) residual_out, Tensor(b!) normed) -> ()",
 )
-
-
-def _cpu_kernel(x, residual, weight, eps, group_name, x_donated: bool):
-    """Reference: the group's agreement on its first call (so a bad FXFUSE_* setting on any rank is
-    the same error on every rank, on CPU as on CUDA), then a gloo all-reduce (in x itself when
-    donated, contiguous and sharing no memory with the residual or weight), then `add_rmsnorm`."""
-    check_arguments(x, residual, weight)
-    group = resolve_group(group_name)
-    agreed_config(group, x.device)
-    eps = float(eps)
-    in_place = writable_in_place(x, x_donated, residual, weight)
-    reduced = x if in_place else x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)
-    normed, residual_out = add_rmsnorm(reduced, residual, weight, eps)
-    return normed, residual_out.clone() if residual_out is x else residual_out
 
 
 @functools.cache
@@ -149,7 +134,7 @@ def _register_cpu_and_fake(overload: str) -> None:
     donated = overload.startswith("donate_x")
 
     def cpu(x, residual, weight, eps, group_name):
-        return _cpu_kernel(x, residual, weight, eps, group_name, donated)
+        return allreduce_residual_rmsnorm_cpu(x, residual, weight, eps, group_name, donated)
 
     cpu.__doc__ = f"CPU reference kernel of `{OP_NAME}.{overload}`."
     _KERNELS.impl(_overload_name(overload), cpu, "CPU")
@@ -190,7 +175,7 @@ def install_native_fallback() -> bool:
 for _overload in OVERLOADS:
     _register_cpu_and_fake(_overload)
 _register_python_cuda_kernels()
-_KERNELS.impl("allreduce_residual_rmsnorm_planned", _cpu_kernel, "CPU")
+_KERNELS.impl("allreduce_residual_rmsnorm_planned", allreduce_residual_rmsnorm_cpu, "CPU")
 _KERNELS.impl("allreduce_residual_rmsnorm_planned", _cuda_planned, "CUDA")
 _KERNELS.impl("add_rmsnorm_into", _cpu_norm_into, "CPU")
 _KERNELS.impl("add_rmsnorm_into", _cuda_norm_into, "CUDA")
@@ -200,10 +185,14 @@ allreduce_residual_rmsnorm = torch.ops.fxfuse.allreduce_residual_rmsnorm.default
 allreduce_residual_rmsnorm_tensor_eps = torch.ops.fxfuse.allreduce_residual_rmsnorm.tensor_eps
 allreduce_residual_rmsnorm_donate_x = torch.ops.fxfuse.allreduce_residual_rmsnorm.donate_x
 allreduce_residual_rmsnorm_donate_x_tensor_eps = torch.ops.fxfuse.allreduce_residual_rmsnorm.donate_x_tensor_eps
-#: The functional overloads, which the passes emit.
-FUSED_OPS = (allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps)
+#: The plain op's functional overloads, which the norm fusion pass emits.
+NORM_OPS = (allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps)
+#: Every functional overload of the fused ops (plain and FP8): their first five arguments are
+#: (x, residual, weight, eps, group_name) alike.
+FUSED_OPS = NORM_OPS + fp8_schema.FP8_OPS
 #: Functional overload -> its donating twin.
 DONATING_TWIN = {
     allreduce_residual_rmsnorm: allreduce_residual_rmsnorm_donate_x,
     allreduce_residual_rmsnorm_tensor_eps: allreduce_residual_rmsnorm_donate_x_tensor_eps,
+    **fp8_schema.FP8_DONATING_TWIN,
 }
