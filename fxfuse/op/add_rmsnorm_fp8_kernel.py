@@ -50,22 +50,27 @@ def _kernel():
         reduced_ptr, residual_ptr, weight_ptr, residual_out_ptr, normed_ptr, quantized_ptr, scales_ptr, static_scale_ptr,
         hidden, groups, eps, min_amax, fp8_max,
         NORMALIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STORE_NORMED: tl.constexpr, SCALING: tl.constexpr,
-        GROUP: tl.constexpr, SCALE_ROUNDING: tl.constexpr, BLOCK: tl.constexpr,
+        GROUP: tl.constexpr, SCALE_ROUNDING: tl.constexpr, BLOCK: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr,
+        WEIGHT_OFFSET: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < hidden
         offsets = row * hidden + cols
         if NORMALIZE:
-            summed = tl.load(reduced_ptr + offsets, mask=mask, other=0.0)
+            reduced = tl.load(reduced_ptr + offsets, mask=mask, other=0.0)
+            summed = reduced
             if HAS_RESIDUAL:
-                summed = summed + tl.load(residual_ptr + offsets, mask=mask, other=0.0)
+                residual = tl.load(residual_ptr + offsets, mask=mask, other=0.0)
+                summed = reduced.to(residual.dtype) + residual
             tl.store(residual_out_ptr + offsets, summed, mask=mask)
             h = summed.to(tl.float32)
             variance = tl.sum(h * h, axis=0) / hidden
-            normalized = (h * tl.rsqrt(variance + eps)).to(summed.dtype)
             weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-            normed = weight * normalized
+            if WEIGHT_IN_FP32:
+                normed = (h * tl.rsqrt(variance + eps) * (weight.to(tl.float32) + WEIGHT_OFFSET)).to(reduced.dtype)
+            else:
+                normed = weight * (h * tl.rsqrt(variance + eps)).to(summed.dtype)
             if STORE_NORMED:
                 tl.store(normed_ptr + offsets, normed, mask=mask)
         else:
@@ -104,32 +109,35 @@ def _kernel():
 def add_rmsnorm_fp8_into(
     reduced: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, recipe: Fp8Recipe,
     static_scale: torch.Tensor | None, residual_out: torch.Tensor, normed: torch.Tensor | None,
-    quantized: torch.Tensor, scales: torch.Tensor,
+    quantized: torch.Tensor, scales: torch.Tensor, weight_offset: float = 0.0, weight_in_fp32: bool = False,
 ) -> None:
     """Write `reduced (+ residual)` into `residual_out`, its RMSNorm times `weight` into `normed` (if
     given) and that norm's e4m3 quantization into `quantized` and `scales`.
 
     Contiguous tensors of one shape [..., hidden] (weight [hidden], scales `fp8_recipe.scale_shape`),
-    on one device; `residual_out` may be `reduced`. Safe inside CUDA-graph capture once compiled for
-    this recipe, dtype and hidden size.
+    on one device, with the dtypes `add_rmsnorm_into` takes; `residual_out` may be `reduced`. The weight
+    is applied as `fxfuse.op.reference.add_rmsnorm` says (`weight_offset`, `weight_in_fp32`). Safe inside
+    CUDA-graph capture once compiled for this recipe, dtype and hidden size.
     """
-    _launch(True, reduced, residual, weight, eps, recipe, static_scale, residual_out, normed, quantized, scales)
+    _launch(True, reduced, residual, weight, eps, recipe, static_scale, residual_out, normed, quantized, scales,
+            weight_offset, weight_in_fp32)
 
 
 def quantize_fp8_into(normed: torch.Tensor, recipe: Fp8Recipe, static_scale: torch.Tensor | None,
                       quantized: torch.Tensor, scales: torch.Tensor) -> None:
     """`fxfuse.op.fp8_recipe.quantize_fp8(normed, ...)` written into `quantized` and `scales`."""
-    _launch(False, normed, None, normed, 0.0, recipe, static_scale, normed, None, quantized, scales)
+    _launch(False, normed, None, normed, 0.0, recipe, static_scale, normed, None, quantized, scales, 0.0, False)
 
 
 def _launch(normalize: bool, source, residual, weight, eps, recipe: Fp8Recipe, static_scale, residual_out, normed,
-            quantized, scales) -> None:
+            quantized, scales, weight_offset: float, weight_in_fp32: bool) -> None:
     hidden = source.shape[-1]
     tokens = source.numel() // hidden if hidden else 0
     if tokens == 0:
         return
     if hidden > MAX_HIDDEN:
-        _reference_into(normalize, source, residual, weight, eps, recipe, static_scale, residual_out, normed, quantized, scales)
+        _reference_into(normalize, source, residual, weight, eps, recipe, static_scale, residual_out, normed, quantized, scales,
+                        weight_offset, weight_in_fp32)
         return
     has_residual, store_normed = residual is not None, normed is not None
     min_amax = recipe.min_amax if recipe.scale_dtype == torch.float32 else _rounded(recipe.min_amax, recipe.scale_dtype)
@@ -138,7 +146,7 @@ def _launch(normalize: bool, source, residual, weight, eps, recipe: Fp8Recipe, s
     args = (*pointers, hidden, max(1, recipe.groups(hidden)), float(eps), float(min_amax), FP8_MAX)
     block = next_power_of_2(max(hidden, recipe.group_size))
     constexprs = (normalize, has_residual, store_normed, SCALING_CODES[recipe.scaling], max(1, recipe.group_size),
-                  SCALE_ROUNDING_CODES.get(recipe.scale_dtype, 0), block)
+                  SCALE_ROUNDING_CODES.get(recipe.scale_dtype, 0), block, bool(weight_in_fp32), float(weight_offset))
     key = None
     if source.is_cuda:
         device = torch.cuda.current_device()
@@ -157,10 +165,11 @@ def _rounded(value: float, dtype: torch.dtype) -> float:
     return float(torch.tensor(value, dtype=dtype))
 
 
-def _reference_into(normalize, source, residual, weight, eps, recipe, static_scale, residual_out, normed, quantized, scales):
+def _reference_into(normalize, source, residual, weight, eps, recipe, static_scale, residual_out, normed, quantized, scales,
+                    weight_offset, weight_in_fp32):
     """The reference arithmetic in torch operations, written into the outputs (rows wider than the kernel's)."""
     if normalize:
-        normed_value, summed = add_rmsnorm(source, residual, weight, eps)
+        normed_value, summed = add_rmsnorm(source, residual, weight, eps, weight_offset, weight_in_fp32)
         residual_out.copy_(summed)
         if normed is not None:
             normed.copy_(normed_value)

@@ -2,7 +2,8 @@
 
 `allreduce_residual_rmsnorm_fp8(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name,
 str scaling, int group_size, float min_amax, ScalarType scale_dtype, Tensor? static_scale,
-bool return_normed) -> (Tensor quantized, Tensor scales, Tensor residual_out, Tensor normed)`
+bool return_normed, float weight_offset=0., bool weight_in_fp32=False)
+-> (Tensor quantized, Tensor scales, Tensor residual_out, Tensor normed)`
 
 is `allreduce_residual_rmsnorm` (same first five arguments, same `residual_out`, same `normed`
 arithmetic) followed by the FP8 e4m3 quantization of `normed` that `fxfuse.op.fp8_recipe.Fp8Recipe(
@@ -27,11 +28,12 @@ import torch
 
 from fxfuse.op.cpu_kernel import allreduce_residual_rmsnorm_cpu
 from fxfuse.op.fp8_recipe import FP8_DTYPE, Fp8Recipe, check_fp8_arguments, quantize_fp8, scale_shape
-from fxfuse.op.reference import check_arguments
+from fxfuse.op.reference import NORM_ARGUMENTS, check_arguments
 
 FP8_OP_NAME = "fxfuse::allreduce_residual_rmsnorm_fp8"
 _RESULTS = "(Tensor quantized, Tensor scales, Tensor residual_out, Tensor normed)"
-_QUANT_ARGUMENTS = "str scaling, int group_size, float min_amax, ScalarType scale_dtype, Tensor? static_scale, bool return_normed"
+_QUANT_ARGUMENTS = ("str scaling, int group_size, float min_amax, ScalarType scale_dtype, Tensor? static_scale, bool return_normed, "
+                    f"{NORM_ARGUMENTS}")
 #: Overload name -> its arguments' schema.
 FP8_OVERLOADS = {
     "default": f"(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name, {_QUANT_ARGUMENTS})",
@@ -58,25 +60,26 @@ def _recipe(scaling, group_size, min_amax, scale_dtype) -> Fp8Recipe:
 
 
 def _cpu_fp8_kernel(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale,
-                    return_normed, x_donated: bool):
+                    return_normed, weight_offset, weight_in_fp32, x_donated: bool):
     """Reference: the plain op's CPU kernel, then `quantize_fp8` of its normed output."""
     recipe = _recipe(scaling, group_size, min_amax, scale_dtype)
     check_fp8_arguments(x.shape, recipe, static_scale, x.device)
-    normed, residual_out = allreduce_residual_rmsnorm_cpu(x, residual, weight, eps, group_name, x_donated)
+    normed, residual_out = allreduce_residual_rmsnorm_cpu(x, residual, weight, eps, group_name, x_donated, weight_offset,
+                                                          weight_in_fp32)
     quantized, scales = quantize_fp8(normed, recipe, static_scale)
     return quantized, scales, residual_out, normed if return_normed else normed.new_empty(0)
 
 
 def _fake_fp8_kernel(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale,
-                     return_normed):
+                     return_normed, weight_offset=0.0, weight_in_fp32=False):
     """Shapes only (works with SymInts); the arguments are checked as the real kernels check them."""
-    check_arguments(x, residual, weight)
+    check_arguments(x, residual, weight, weight_in_fp32)
     recipe = _recipe(scaling, group_size, min_amax, scale_dtype)
     check_fp8_arguments(x.shape, recipe, static_scale, x.device)
     contiguous = torch.contiguous_format
     return (torch.empty_like(x, dtype=FP8_DTYPE, memory_format=contiguous),
             x.new_empty(scale_shape(x.shape, recipe), dtype=torch.float32),
-            torch.empty_like(x, memory_format=contiguous),
+            torch.empty_like(x, dtype=x.dtype if residual is None else residual.dtype, memory_format=contiguous),
             torch.empty_like(x, memory_format=contiguous) if return_normed else x.new_empty(0))
 
 
@@ -95,14 +98,17 @@ _KERNELS = torch.library.Library("fxfuse", "IMPL")
 def _register(overload: str) -> None:
     donated = overload.startswith("donate_x")
 
-    def cpu(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale, return_normed):
+    def cpu(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale, return_normed,
+            weight_offset=0.0, weight_in_fp32=False):
         return _cpu_fp8_kernel(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype,
-                               static_scale, return_normed, donated)
+                               static_scale, return_normed, weight_offset, weight_in_fp32, donated)
 
-    def cuda(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale, return_normed):
+    def cuda(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale, return_normed,
+             weight_offset=0.0, weight_in_fp32=False):
         recipe = _recipe(scaling, group_size, min_amax, scale_dtype)
         return _cuda_dispatch().allreduce_residual_rmsnorm_fp8_cuda(
-            x, residual, weight, float(eps), group_name, recipe, static_scale, return_normed, donated)
+            x, residual, weight, float(eps), group_name, recipe, static_scale, return_normed, donated, weight_offset,
+            weight_in_fp32)
 
     cpu.__doc__ = f"CPU reference kernel of `{FP8_OP_NAME}.{overload}`."
     cuda.__doc__ = f"CUDA kernel of `{FP8_OP_NAME}.{overload}`."

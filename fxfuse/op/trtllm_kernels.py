@@ -189,6 +189,7 @@ class TrtllmFusionKernels:
         oneshot: bool,
         quant_out: torch.Tensor | None = None,
         scale_factor: torch.Tensor | None = None,
+        weight_offset: float = 0.0,
     ) -> None:
         """Launch the fused kernel on [tokens, hidden] contiguous, 16-byte aligned tensors.
 
@@ -197,7 +198,9 @@ class TrtllmFusionKernels:
         dequantization scale) it also writes `quant_out = e4m3(norm_out / scale_factor)`, computed by
         the kernel as the bf16 norm times its approximate reciprocal of the scale, saturated to +-448
         (pattern kARResidualRMSNormOutFP8Quant, or kARResidualRMSNormFP8Quant when `norm_out` is None:
-        the norm is then not written). Safe inside CUDA-graph capture (no allocation, no host sync).
+        the norm is then not written). A `weight_offset` is added to the weight in float32 (FlashInfer's
+        `weight_bias`, from 0.7.2; the policy picks this kernel for such sites only there). Safe inside
+        CUDA-graph capture (no allocation, no host sync).
         """
         num_tokens, hidden_size = x.shape
         patterns = self._comm.AllReduceFusionPattern
@@ -228,6 +231,7 @@ class TrtllmFusionKernels:
             rms_eps=float(eps),
             scale_factor=scale_factor,
             layout_code=None,
+            **({"weight_bias": float(weight_offset)} if weight_offset else {}),
         )
 
 
