@@ -88,13 +88,17 @@ def gpu_slug(gpu: str) -> str:
 
 
 def one_gpu_arguments(argv: list[str] | None, prog: str, description: str,
-                      declare: Callable[[argparse.ArgumentParser], None]) -> tuple[argparse.Namespace | None, int | None]:
-    """A one-GPU benchmark's arguments (declared by `declare`), --out-dir checked and a GPU required:
-    `(args, None)` to go on, or `(None, exit status)` after --help, a usage error or a one-line error."""
+                      declare: Callable[[argparse.ArgumentParser], None],
+                      check: Callable[[argparse.Namespace], None] | None = None) -> tuple[argparse.Namespace | None, int | None]:
+    """A one-GPU benchmark's arguments (declared by `declare`, then checked by `check`, which raises
+    ValueError), --out-dir checked and a GPU required: `(args, None)` to go on, or `(None, exit status)`
+    after --help, a usage error or a one-line error."""
     def parse() -> argparse.Namespace:
         parser = CommandParser(prog=prog, description=description)
         declare(parser)
         args = parser.parse_args(argv)
+        if check is not None:
+            check(args)
         check_output_dir(args.out_dir, "--out-dir")
         return args
 

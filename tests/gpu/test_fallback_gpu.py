@@ -130,7 +130,7 @@ def test_one_rank_nccl_fallback_eager_donated_and_replayed():
 
 def _block_on(group_name: str):
     """`fxfuse bench fallback`'s block (producer, all-reduce, residual add, RMSNorm) on one group."""
-    from fxfuse.bench.fallback import block
+    from fxfuse.bench.fallback_blocks import block
 
     return lambda inp, residual, weight: block(inp, residual, weight, group_name)
 
