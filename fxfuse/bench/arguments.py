@@ -21,8 +21,8 @@ MODEL_DESCRIPTION = ("DeepSeek-V3 verify-step latency, eager vs Inductor vs fxfu
 KERNEL_DESCRIPTION = "The fused all-reduce + residual + RMSNorm op against unfused, per token count (CUDA)."
 GEMM_DESCRIPTION = ("The quantized GEMMs (FP8 block-scaled, INT4 experts) against bf16 at DeepSeek-V3 / Kimi-K2.5 "
                     "shapes, one GPU (CUDA).")
-FALLBACK_DESCRIPTION = ("The fused op's NCCL fallback against the unfused graph Inductor compiles, one GPU, "
-                        "one-rank NCCL group (CUDA).")
+FALLBACK_DESCRIPTION = ("The fused op's NCCL fallback against the unfused graph Inductor compiles, with or without an "
+                        "FP8 quantization after the norm, static and dynamic shapes, one GPU, one-rank NCCL group (CUDA).")
 
 #: Model benchmark defaults: step widths, batch sizes, the preset per device, layers, KV-cache length.
 DEFAULT_TOKENS = (1, 4, 16, 64)
