@@ -14,7 +14,7 @@ from typing import Any
 
 from fxfuse.bench.arguments import FALLBACK_QUANT
 from fxfuse.bench.fallback_blocks import BF16_TOLERANCE, SCALE_TOLERANCE
-from fxfuse.bench.output import gpu_slug, header_lines
+from fxfuse.bench.output import gpu_slug, header_lines, mode_name
 
 QUANT_TITLES = {
     "none": "no quantization (the norm's bf16 output)",
@@ -22,11 +22,6 @@ QUANT_TITLES = {
     "row": "FP8 per row, dynamic scales (torchao's PerRow arithmetic)",
     "tensor": "FP8 per tensor, one static scale",
 }
-
-
-def mode_name(dynamic: bool) -> str:
-    """"dynamic" for `dynamic=True` compiles, "static" for `dynamic=False`."""
-    return "dynamic" if dynamic else "static"
 
 
 def file_stem(report: dict[str, Any]) -> str:

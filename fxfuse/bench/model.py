@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from fxfuse.bench.arguments import DEFAULT_CONTEXT, DEFAULT_LAYERS, DEFAULT_PRESET, MODEL_DESCRIPTION, add_model_arguments
 from fxfuse.bench.model_report import markdown, write_report
-from fxfuse.bench.output import package_versions, publish, relative_l2_error, report_header
+from fxfuse.bench.output import mode_name, package_versions, publish, relative_l2_error, report_header
 from fxfuse.bench.sensitivity import SENSITIVITY_FACTOR, TOLERANCE, check_bound, perturbed_input
 from fxfuse.command_line import CommandParser, check_output_dir, parsed_or_status
 from fxfuse.runner.launch import run_on_ranks, under_torchrun
@@ -262,7 +262,7 @@ def variant_name(variant: Variant, config: ModelBenchConfig) -> str:
     backend, dynamic = variant
     if dynamic is None or len(config.dynamic) == 1:
         return backend
-    return f"{backend} ({'dynamic' if dynamic else 'static'})"
+    return f"{backend} ({mode_name(dynamic)})"
 
 
 def _bench_batch(ctx, config, model, compiled: dict[Variant, CompiledStep], batch: int, device, clock, progress) -> list[dict]:

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from fxfuse.bench.output import header_lines, write_result_files
+from fxfuse.bench.output import header_lines, mode_name, write_result_files
 
 BACKEND_ORDER = ("eager", "inductor", "fxfuse")
 #: What each shape mode of the compiled backends means, for the report.
@@ -37,11 +37,6 @@ def report_modes(report: dict[str, Any]) -> list[bool | None]:
     for reports that do not record them (eager only, or written before `--dynamic` existed)."""
     modes = {r.get("dynamic") for r in report["results"] if r["backend"] != "eager"} - {None}
     return sorted(modes) or [None]
-
-
-def mode_name(dynamic: bool | None) -> str:
-    """"static" / "dynamic" shapes; "" where the report does not say."""
-    return {False: "static", True: "dynamic"}.get(dynamic, "")
 
 
 def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:

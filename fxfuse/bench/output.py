@@ -82,6 +82,12 @@ def package_versions(packages: tuple[str, ...]) -> dict[str, str]:
     return versions
 
 
+def mode_name(dynamic: bool | None) -> str:
+    """A compile's shape mode in words: "static" (`dynamic=False`), "dynamic" (`dynamic=True`), "" (None:
+    not compiled, or not recorded)."""
+    return {False: "static", True: "dynamic"}.get(dynamic, "")
+
+
 def gpu_slug(gpu: str) -> str:
     """A GPU name as it appears in result file names: lower case, runs of other characters as one '-'."""
     return re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
