@@ -42,7 +42,7 @@ def test_defaults_sweep_every_quantization_and_both_shape_modes():
     assert args.tokens == DEFAULT_FALLBACK_TOKENS == tuple(2**i for i in range(13))
     assert args.hidden == (7168, 4096) and args.quant == list(FALLBACK_QUANT) == ["none", "group", "row", "tensor"]
     assert args.modes == list(FALLBACK_MODES) == ["static", "dynamic"]
-    assert (args.repeats, args.iters, args.time_budget_s) == (20, 10, None)
+    assert (args.repeats, args.iters, args.time_budget_s) == (30, 20, None)
     assert tuple(BLOCKS) == FALLBACK_QUANT  # one block per kind, in report order
     assert parse(["--quant", "row,tensor", "--modes", "static"]).quant == ["row", "tensor"]
 
@@ -213,6 +213,14 @@ def fake_report():
             "skipped": [{"tokens": 4096, "hidden": 7168, "quant": "row", "dynamic": False}]}
 
 
+def test_skipped_points_are_summarised_as_what_to_run_again():
+    from fxfuse.bench.fallback_report import skipped_summary
+
+    points = [{"tokens": t, "hidden": 4096, "quant": q, "dynamic": d} for q, d in (("row", True), ("tensor", False))
+              for t in (1, 2, 4)]
+    assert skipped_summary(points) == "hidden 4096 row dynamic at 1,2,4 tokens; hidden 4096 tensor static at 1,2,4 tokens"
+
+
 def test_failures_name_each_failed_point():
     assert failures(fake_report()) == [
         "group static hidden 7168 tokens 1024: fxfuse outside the bounds (residual_rel_err 0.001, dequant_err_over_bound 1.5)",
@@ -234,7 +242,7 @@ def test_overview_gives_each_modes_ratio_range_and_inductors_dynamic_slowdown():
 def test_markdown_has_a_table_per_quantization_and_mode():
     text = markdown(fake_report())
     assert "- check, both variants at every point, against float32" in text and "4 of 6 points passed" in text
-    assert "- 1 point(s) skipped: the time budget of 400 s was spent" in text
+    assert "- 1 point(s) skipped, the time budget of 400 s spent: hidden 7168 row static at 4096 tokens" in text
     assert "| group | 7168 | 0.900-1.250 | 0.667-0.818 | 1.66 | 1 |" in text
     sections = [line for line in text.splitlines() if line.startswith("## ")]
     assert sections == [

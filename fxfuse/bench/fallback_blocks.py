@@ -5,9 +5,10 @@ after the all-reduce, as a matmul's output is), `funcol.all_reduce(x) + residual
 RMSNorm (float32 upcast, the weight after the cast back), then, per quantization kind, an FP8 e4m3
 quantization of the normed output as models and libraries write it:
 - `none`: no quantization; returns (normed, residual);
-- `group`: per token and group of 128, as models/quant/reference.py `quantize_activations` and
-  DeepSeek-V3's `act_quant` write it (float32 upcast, view [T, H/128, 128], amax of |x| clamped to
-  1e-12, / 448, divide, clamp, cast); returns (q [T, H], scales [T, H/128] float32, residual);
+- `group`: per token and group of 128, as models/quant/reference.py `quantize_activations` writes it
+  (float32 upcast, view [T, H/128, 128], amax of |x| clamped to 1e-12, / 448, divide, clamp, cast:
+  DeepSeek-V3's `act_quant` arithmetic with a floor and a clamp); returns (q [T, H], scales [T, H/128]
+  float32, residual);
 - `row`: per row with dynamic scales, as torchao's `_choose_scale_float8` and `_quantize_affine_float8`
   compute them for `PerRow` (amax of |x| in the activation dtype, / 448 in that dtype, then float32;
   x in float32 / scale, clamp, cast); returns (q [T, H], scales [T, 1] float32, residual);

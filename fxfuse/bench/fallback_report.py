@@ -48,6 +48,15 @@ def failures(report: dict[str, Any]) -> list[str]:
     return problems
 
 
+def skipped_summary(points: list[dict[str, Any]]) -> str:
+    """Skipped points by hidden size, quantization and mode, with their token counts: what to run again."""
+    groups: dict[tuple, list[int]] = {}
+    for p in points:
+        groups.setdefault((p["hidden"], p["quant"], mode_name(p["dynamic"])), []).append(p["tokens"])
+    return "; ".join(f"hidden {hidden} {quant} {mode} at {','.join(map(str, tokens))} tokens"
+                     for (hidden, quant, mode), tokens in groups.items())
+
+
 def _measures(check: dict[str, Any]) -> str:
     return ", ".join(f"{name} {value:.3g}" for name, value in check.items() if name != "ok")
 
@@ -144,8 +153,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"- time: {report['wall_s']:.0f} s in all, {report['first_call_s']:.0f} s of it in first calls (compiles)",
     ]
     if report["skipped"]:
-        lines.append(f"- {len(report['skipped'])} point(s) skipped: the time budget of {report['time_budget_s']:g} s "
-                     "was spent (listed in the JSON)")
+        lines.append(f"- {len(report['skipped'])} point(s) skipped, the time budget of {report['time_budget_s']:g} s "
+                     f"spent: {skipped_summary(report['skipped'])}")
     lines += ["", "| quantization | hidden | fxfuse/Inductor static | fxfuse/Inductor dynamic | Inductor dynamic/static "
               "(geomean) | failed points |", "|---|---:|---:|---:|---:|---:|"]
     for e in overview_rows(report):
