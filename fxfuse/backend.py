@@ -5,7 +5,7 @@
 be passed instead: `torch.compile(model, backend=FxfuseBackend(inner="eager", patterns=...))`.
 
 Data path: dynamo graph -> AOT autograd (functional ATen, Inductor's decompositions) -> the passes
-(`merge_allreduce`, then `allreduce_rmsnorm_fusion`; for Inductor also `donate_allreduce_input`) -> the
+(`merge_allreduce`, then `allreduce_rmsnorm_fusion`, then `fp8_epilogue`; for Inductor also `donate_allreduce_input`) -> the
 inner compiler. With `inner="inductor"`
 the passes run as Inductor's `post_grad_custom_post_pass`; with `inner="eager"` they run on the AOT
 forward graph after the clean-ups Inductor does before that point, and the graph then runs as is. Every pass run is recorded on the backend object (`records`): the graph before and after, and
@@ -29,8 +29,9 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from fxfuse.inspect.graph_diff import GraphSnapshot, render_diff, snapshot
+from fxfuse.op.fp8_schema import FP8_OPS
 from fxfuse.op.schema import FUSED_OPS, install_native_fallback
-from fxfuse.passes import allreduce_rmsnorm_fusion, donate_allreduce_input, merge_allreduce
+from fxfuse.passes import allreduce_rmsnorm_fusion, donate_allreduce_input, fp8_epilogue, merge_allreduce
 from fxfuse.passes.config import PATTERNS, PassConfig
 
 INNER_COMPILERS = ("inductor", "eager")
@@ -43,7 +44,8 @@ class FusionStats:
 
     `allreduces_before`/`allreduces_after`: all-reduce nodes in the graph before/after the passes;
     `merged`: pairs merged by pattern 3; `fused_with_residual`/`fused_without_residual`: fused-op
-    sites of pattern 1/2 in the rewritten graph.
+    sites of pattern 1/2 in the rewritten graph; `fp8_quantizations_folded`: those of them that also
+    quantize their normed output to FP8 (the FP8 epilogue).
     """
 
     allreduces_before: int
@@ -51,6 +53,7 @@ class FusionStats:
     fused_with_residual: int
     fused_without_residual: int
     allreduces_after: int
+    fp8_quantizations_folded: int = 0
 
     @property
     def fused(self) -> int:
@@ -81,6 +84,7 @@ def fusion_stats(graph: torch.fx.Graph, before: GraphSnapshot, after: GraphSnaps
         fused_with_residual=len(fused_sites) - without_residual,
         fused_without_residual=without_residual,
         allreduces_after=after.op_counts[ALL_REDUCE_OP],
+        fp8_quantizations_folded=sum(len(graph.find_nodes(op="call_function", target=op)) for op in FP8_OPS),
     )
 
 
@@ -178,6 +182,7 @@ class FxfuseBackend:
         before = snapshot(graph)
         merged = merge_allreduce.run(graph, self.config)
         allreduce_rmsnorm_fusion.run(graph, self.config)
+        fp8_epilogue.run(graph, self.config)
         after = snapshot(graph, previous=before)
         record = CompileRecord(before=before, after=after, stats=fusion_stats(graph, before, after, merged))
         self.records.append(record)

@@ -25,8 +25,8 @@ from fxfuse.models.presets import PRESETS
 from fxfuse.models.quant.scheme import WEIGHT_FORMATS
 from fxfuse.runner.errors import RankFailed, Terminated
 from fxfuse.runner.options import (
-    BACKENDS, COMPARE_TARGETS, DEFAULT_INNER, DEFAULT_WIDTHS, DEVICES, DTYPE_BYTES, INNER_COMPILERS, MAX_STEP_WIDTH,
-    RunOptions,
+    BACKENDS, COMPARE_TARGETS, DEFAULT_INNER, DEFAULT_WIDTHS, DEVICES, DTYPE_BYTES, DYNAMIC_CHOICES, INNER_COMPILERS,
+    MAX_STEP_WIDTH, RunOptions,
 )
 
 DTYPE_CHOICES = tuple(DTYPE_BYTES)
@@ -105,6 +105,10 @@ def _add_run_parser(commands) -> None:
     p.add_argument("--graph-widths", type=int_list(1, MAX_STEP_WIDTH), default=None, metavar="W,W,...",
                    help="step widths (tokens per sequence) that get a CUDA graph, with CUDA graphs only "
                         f"(default {','.join(map(str, DEFAULT_WIDTHS))})")
+    p.add_argument("--dynamic", choices=DYNAMIC_CHOICES, default=d.dynamic,
+                   help="compile the step for dynamic shapes (on) or one graph per shape (off); auto: static shapes "
+                        "when the verify step replays a CUDA graph or no CUDA graphs are captured, dynamic when "
+                        f"graphs are captured but not for the verify width (default {d.dynamic})")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed of the random weights and prompt (default {d.seed})")
     p.add_argument("--weights", choices=WEIGHT_FORMATS, default=d.weights,
                    help="keep weights in bf16 (dequantized on load), FP8 blocks or INT4 experts; see `fxfuse plan` "
@@ -122,7 +126,7 @@ def _run_command(args) -> int:
         preset=preset, checkpoint=args.checkpoint, layers=args.layers, tp=args.tp, device=args.device,
         backend=args.backend, inner=args.inner, dtype=args.dtype, batch=args.batch, prompt_len=args.prompt_len,
         tokens_per_step=args.tokens_per_step, steps=args.steps, compare=args.compare, seed=args.seed,
-        cuda_graph=args.cuda_graph, graph_widths=args.graph_widths, weights=args.weights,
+        cuda_graph=args.cuda_graph, graph_widths=args.graph_widths, weights=args.weights, dynamic=args.dynamic,
     )
     setup = prepare_run(options)  # every check that needs no rank, before any rank starts
 

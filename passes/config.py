@@ -11,7 +11,10 @@ ALLREDUCE_RESIDUAL_RMSNORM = "allreduce_residual_rmsnorm"
 ALLREDUCE_RMSNORM = "allreduce_rmsnorm"
 """Pattern 2: all_reduce -> RMSNorm (no residual) becomes the fused op with residual=None."""
 
-PATTERNS = (MERGE_ALLREDUCE, ALLREDUCE_RESIDUAL_RMSNORM, ALLREDUCE_RMSNORM)
+FP8_EPILOGUE = "fp8_epilogue"
+"""After 1 or 2: an FP8 quantization of the norm's output folds into the fused op (its FP8 variant)."""
+
+PATTERNS = (MERGE_ALLREDUCE, ALLREDUCE_RESIDUAL_RMSNORM, ALLREDUCE_RMSNORM, FP8_EPILOGUE)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,6 @@ from torch._higher_order_ops.auto_functionalize import auto_functionalized
 
 from fxfuse.op.schema import DONATING_TWIN, FUSED_OPS
 
-ARGUMENT_NAMES = ("x", "residual", "weight", "eps", "group_name")
 #: Views whose schema does not declare the alias (the "unsafe" view).
 UNDECLARED_VIEWS = frozenset({torch.ops.aten._unsafe_view.default})
 
@@ -41,15 +40,14 @@ def run(graph: torch.fx.Graph) -> int:
     rewritten = 0
     for op in FUSED_OPS:
         for node in list(graph.find_nodes(op="call_function", target=op)):
-            kwargs = dict(zip(ARGUMENT_NAMES, node.args), **node.kwargs)
+            kwargs = dict(zip([argument.name for argument in op._schema.arguments], node.args), **node.kwargs)
             if shares_memory_with_x(kwargs):
                 continue
             with graph.inserting_before(node):
                 wrapped = graph.call_function(auto_functionalized, (DONATING_TWIN[op],), kwargs)
-            normed, residual_out = node.meta["val"]
             # the call's eager input values describe the functional call's arguments, not these
             kept = {k: v for k, v in node.meta.items() if k != "eager_input_vals"}
-            wrapped.meta = {**kept, "val": (normed, residual_out, kwargs["x"].meta["val"])}
+            wrapped.meta = {**kept, "val": (*node.meta["val"], kwargs["x"].meta["val"])}
             for user in list(node.users):
                 with graph.inserting_before(user):
                     replacement = graph.call_function(operator.getitem, (wrapped, user.args[1]))

@@ -4,12 +4,18 @@
 # writing logs and results to $OUT/results/, tarred at the end into $OUT/results.tar.gz (the device
 # tool returns at most 8 files), with env.txt and the pytest log also beside it.
 #   tests     pytest -m gpu $TESTS (default tests/gpu)                     -> pytest_gpu.log
-#   fallback  fxfuse bench fallback (one-rank NCCL: fallback vs Inductor)    -> fallback_*.json/.md
+#   fallback  fxfuse bench fallback --quant none (one-rank NCCL: fallback vs Inductor, static and
+#             dynamic shapes)                                               -> fallback_*.json/.md
+#   quantbench  fxfuse bench fallback, the whole sweep (none/group/row/tensor FP8 after the norm, static
+#             and dynamic shapes, hidden 7168 and 4096, 1-4096 tokens) $QUANT_FLAGS, starting no point
+#             after QUANTBENCH_TIMEOUT_S - 60 s (the rest listed as skipped) -> fallback_*.json/.md
 #   model     fxfuse bench model --tp 1 --single-rank-collectives $MODEL_FLAGS -> model_*.json/.md
 #   kernel    fxfuse bench kernel --world-size 2 (ranks share the GPU: correctness only)
 # The first FlashInfer use JIT-compiles its kernels (trtllm_comm about 2 minutes, the PCIe all-reduce
 # about 15 s). NVLink multicast stays off in every process (DEVICE.md).
 # Usage (device tool, carry [".whl072"]): WHEELS=.whl072 PARTS="tests" scripts/gpu_check.sh
+#        PARTS=quantbench scripts/gpu_check.sh   (alone in one call: it takes up to 9 of the call's 10 minutes;
+#        QUANT_FLAGS="--hidden 4096" or "--quant group,row" to split the sweep over calls)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -20,8 +26,10 @@ PARTS=${PARTS:-"tests fallback"}
 TESTS=${TESTS:-tests/gpu}
 TESTS_TIMEOUT_S=${TESTS_TIMEOUT_S:-420}
 BENCH_TIMEOUT_S=${BENCH_TIMEOUT_S:-240}
+QUANTBENCH_TIMEOUT_S=${QUANTBENCH_TIMEOUT_S:-540}
+QUANT_FLAGS=${QUANT_FLAGS:-}  # e.g. --hidden 7168 --quant group,row
 MODEL_LAYERS=${MODEL_LAYERS:-2}
-MODEL_FLAGS=${MODEL_FLAGS:-}  # e.g. --no-cuda-graphs
+MODEL_FLAGS=${MODEL_FLAGS:-}  # e.g. --no-cuda-graphs, --dynamic both
 mkdir -p "$OUT"
 status=0
 
@@ -46,7 +54,13 @@ if [[ " $PARTS " == *" tests "* ]]; then
     | tee "$OUT/pytest_gpu.log" || status=1
 fi
 if [[ " $PARTS " == *" fallback "* ]]; then
-  timeout "$BENCH_TIMEOUT_S" python3 -m fxfuse.bench.fallback --out-dir "$OUT" 2>&1 | tee "$OUT/fallback.log" || status=1
+  timeout "$BENCH_TIMEOUT_S" python3 -m fxfuse.bench.fallback --quant none --time-budget-s $((BENCH_TIMEOUT_S - 40)) \
+    --out-dir "$OUT" 2>&1 | tee "$OUT/fallback.log" || status=1
+fi
+if [[ " $PARTS " == *" quantbench "* ]]; then
+  # shellcheck disable=SC2086  # QUANT_FLAGS is a word list
+  timeout "$QUANTBENCH_TIMEOUT_S" python3 -m fxfuse.bench.fallback --time-budget-s $((QUANTBENCH_TIMEOUT_S - 60)) $QUANT_FLAGS \
+    --out-dir "$OUT" 2>&1 | tee "$OUT/quantbench.log" || status=1
 fi
 if [[ " $PARTS " == *" model "* ]]; then
   # shellcheck disable=SC2086  # MODEL_FLAGS is a word list

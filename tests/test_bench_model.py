@@ -195,3 +195,107 @@ def test_result_file_names_keep_dots_of_the_preset(tmp_path):
 
     paths = write_result_files(tmp_path / "model_gpu_tp1_kimi-k2.5-2l_20261201", {"a": 1}, "# x\n", lambda path: False)
     assert [p.name for p in paths] == ["model_gpu_tp1_kimi-k2.5-2l_20261201.json", "model_gpu_tp1_kimi-k2.5-2l_20261201.md"]
+
+
+def test_dynamic_auto_is_static_shapes_where_every_width_is_captured():
+    from fxfuse.bench.model import shape_modes
+
+    assert config_from_args(parse_args(["--device", "cpu"]))[0].dynamic == (True,)  # uncaptured: one graph for all
+    assert config_from_args(parse_args(["--device", "cpu", "--dynamic", "both"]))[0].dynamic == (False, True)
+    assert config_from_args(parse_args(["--device", "cpu", "--dynamic", "off"]))[0].dynamic == (False,)
+    assert [shape_modes("auto", cuda_graphs) for cuda_graphs in (True, False)] == [(False,), (True,)]
+    assert [shape_modes(choice, True) for choice in ("on", "off", "both")] == [(True,), (False,), (False, True)]
+
+
+def test_each_compiled_backend_is_a_variant_per_shape_mode():
+    from fxfuse.bench.model import compiled_variants, variant_name
+
+    config, _ = config_from_args(parse_args(["--device", "cpu", "--dynamic", "both"]))
+    variants = compiled_variants(torch.nn.Linear(2, 2), config)  # compiles lazily: nothing compiled here
+    assert list(variants) == [("eager", None), ("inductor", False), ("inductor", True), ("fxfuse", False), ("fxfuse", True)]
+    assert variants[("fxfuse", True)].fxfuse_backend is not variants[("fxfuse", False)].fxfuse_backend
+    assert [variant_name(v, config) for v in variants] == [
+        "eager", "inductor (static)", "inductor (dynamic)", "fxfuse (static)", "fxfuse (dynamic)"]
+    single, _ = config_from_args(parse_args(["--device", "cpu"]))
+    assert variant_name(("inductor", True), single) == "inductor"
+
+
+class FakeModel(torch.nn.Module):
+    """What `_bench_batch` uses of the model: its vocabulary, its first decoder layer, its cache reset."""
+
+    def __init__(self):
+        super().__init__()
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(vocab_size=16)
+        self.embed = torch.nn.Embedding(16, 8)
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList([torch.nn.Linear(8, 16)])
+
+    def reset_cache(self):
+        pass
+
+    def forward(self, input_ids, positions):
+        return self.model.layers[0](self.embed(input_ids))
+
+
+@torch.no_grad()
+def test_rows_carry_each_variants_shape_mode_and_check():
+    """Eager once, Inductor static and dynamic (here stand-ins: the dynamic one off by 50%): every row
+    says its backend and mode, the wrong one fails its check, and the report has a table per mode."""
+    from types import SimpleNamespace
+
+    from fxfuse.bench.model import _AgreedClock, _bench_batch
+    from fxfuse.runner.progress import Progress
+    from fxfuse.runner.step_backends import CompiledStep
+
+    config, _ = config_from_args(parse_args(["--device", "cpu", "--tokens", "1,2", "--backends", "eager,inductor",
+                                             "--dynamic", "both", "--repeats", "2", "--iters", "1"]))
+    model, ctx = FakeModel(), SimpleNamespace(rank=0, world_size=1)
+    compiled = {("eager", None): CompiledStep("eager", model),
+                ("inductor", False): CompiledStep("inductor", lambda ids, pos: model(ids, pos) * 1.0001),
+                ("inductor", True): CompiledStep("inductor", lambda ids, pos: model(ids, pos) * 1.5)}
+    rows = _bench_batch(ctx, config, model, compiled, 2, torch.device("cpu"), _AgreedClock(ctx, None), Progress(False, "t"))
+    assert [(r["backend"], r["dynamic"], r["tokens"], r["status"]) for r in rows] == [
+        ("eager", None, 1, "ok"), ("eager", None, 2, "ok"), ("inductor", False, 1, "ok"), ("inductor", False, 2, "ok"),
+        ("inductor", True, 1, "failed"), ("inductor", True, 2, "failed")]
+    assert rows[4]["rel_err_vs_eager"] == pytest.approx(0.5, rel=1e-4) and rows[2]["rel_err_vs_eager"] < 1e-3
+    report = {**fake_report(world_size=1), "results": rows}
+    text = markdown(report)
+    assert "### static shapes" in text and "### dynamic shapes" in text
+    assert "FAILED checks: inductor dynamic batch 2 x 1 (err 5.00e-01), inductor dynamic batch 2 x 2" in text
+
+
+def fake_two_mode_report():
+    """One point measured static and dynamic: Inductor 4 / 6 ms, fxfuse 4 / 5.4 ms, eager 10 ms."""
+    report = fake_report(world_size=1)
+    report["results"] = [
+        {"batch": 1, "tokens": 4, "backend": backend, "dynamic": dynamic, "status": "ok", "step_ms": ms, "step_ms_p90": ms,
+         "rel_err_vs_eager": None if backend == "eager" else 3e-3, "note": ""}
+        for backend, dynamic, ms in (("eager", None, 10.0), ("inductor", False, 4.0), ("inductor", True, 6.0),
+                                     ("fxfuse", False, 4.0), ("fxfuse", True, 5.4))]
+    return report
+
+
+def test_both_shape_modes_give_a_table_each_and_their_comparison(tmp_path):
+    from fxfuse.bench.model_report import static_over_dynamic
+
+    report = fake_two_mode_report()
+    rows = summary_rows(report)
+    assert [(r["dynamic"], r["eager_ms"], r["inductor_ms"], r["fxfuse_ms"]) for r in rows] == [
+        (False, 10.0, 4.0, 4.0), (True, 10.0, 6.0, 5.4)]  # eager, never compiled, in both
+    assert static_over_dynamic(rows, "inductor")["geomean"] == pytest.approx(4 / 6)
+    assert static_over_dynamic(summary_rows(fake_report()), "inductor") is None  # one mode: nothing to compare
+    text = markdown(report)
+    assert "- shapes: static (dynamic=False: one graph per batch x width" in text and "; one table per mode" in text
+    assert "- inductor, static-shape step / dynamic-shape step: geometric mean 0.667 over 1 points" in text
+    static_table, dynamic_table = text.split("### static shapes")[1].split("### dynamic shapes")
+    assert "| 1 | 4 | 10.000 | 4.000 | 4.000 | 1.000 | - | - |" in static_table
+    assert "| 1 | 4 | 10.000 | 6.000 | 5.400 | 0.900 | - | - |" in dynamic_table
+    paths = write_report(report, tmp_path)
+    import importlib.util
+
+    assert len(paths) == (3 if importlib.util.find_spec("matplotlib") else 2)  # the plot draws both modes
+    document = json.loads(paths[0].read_text())
+    assert document["fxfuse_over_inductor"]["static"]["geomean"] == 1.0
+    assert document["fxfuse_over_inductor"]["dynamic"]["geomean"] == pytest.approx(0.9)

@@ -116,6 +116,9 @@ def test_multi_token_verify_steps_generate_the_greedy_sequence():
         (["run", "--layers", "5"], "--layers must be between 1 and 4 (got 5)"),
         (["run", "--steps", "0"], "argument --steps: must be at least 1 (got 0)"),
         (["run", "--cuda-graph"], "--cuda-graph needs --device cuda"),
+        (["run", "--dynamic", "maybe"], "argument --dynamic: invalid choice: 'maybe'"),
+        (["bench", "model", "--dynamic", "always"], "argument --dynamic: invalid choice: 'always'"),
+        (["bench", "fallback", "--modes", "eager"], "argument --modes: expected a comma-separated subset of static, dynamic"),
         (["run", "--tokens", "129"], "--tokens must be at most 128"),
         (["run", "--graph-widths", "1,256"], "argument --graph-widths: each value must be between 1 and 128"),
         (["run", "--prompt-len", "200", "--tokens", "64", "--steps", "2"], "KV cache would need 393 positions"),
@@ -138,6 +141,21 @@ def test_bad_input_gives_one_line_error_and_exit_2(argv, message, capsys):
     err = capsys.readouterr().err
     assert err.startswith("fxfuse: error:") and message in err
     assert err.count("\n") == 1  # one line, no usage text, no traceback
+
+
+def test_dynamic_reaches_the_run_options(monkeypatch):
+    """`fxfuse run --dynamic on` runs the built-in job compiled for dynamic shapes (what it runs is stubbed)."""
+    import fxfuse.runner.run
+
+    seen = []
+
+    def stop(setup):
+        seen.append((setup.options.dynamic, setup.dynamic_shapes))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fxfuse.runner.run, "run_prepared", stop)
+    assert main(["run", "--dynamic", "on"]) == 130 and main(["run"]) == 130
+    assert seen == [("on", True), ("off", False)]  # auto on CPU: static shapes, as before
 
 
 def test_verbose_is_taken_before_or_after_the_subcommand():

@@ -143,3 +143,27 @@ def test_a_rank_that_dies_after_reporting_is_named(capfd):
     err = capfd.readouterr().err
     assert "fxfuse: rank 1 ended with SIGABRT after reporting its result (the result is complete;" in err
     assert "rank 0 ended" not in err
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_run_is_named_and_the_run_ends(tmp_path):
+    """SIGKILL to one rank in the middle of `fxfuse run` (its peer then waits in a collective): the run
+    ends within a bounded time with one line naming the rank and the signal, and no rank survives."""
+    proc, ranks = start_run_and_wait_for_ranks(tmp_path)
+    try:
+        os.kill(ranks[1], signal.SIGKILL)
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=STOP_DEADLINE_S)
+        assert time.monotonic() - start < STOP_DEADLINE_S
+        deadline = time.monotonic() + STOP_DEADLINE_S
+        while any(running(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in ranks if running(pid)], "rank processes survived the run"
+        assert proc.returncode == 1
+        last = err.splitlines()[-1]
+        assert last.startswith("fxfuse: error: rank ") and "(SIGKILL) ended without reporting a result" in last, err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -304,12 +304,31 @@ def test_settings_from_env():
         FusionSettings(force_mode=FusionMode.FALLBACK)
 
 
+@pytest.mark.parametrize("version, runs", [("0.6.3", False), ("0.7.2", True)])
+def test_a_weight_offset_needs_flashinfers_weight_bias(version, runs):
+    """Gemma's zero-centred norm (`1 + weight` in float32) runs the TensorRT-LLM kernel only where it takes
+    `weight_bias` (0.7.2); before, the NCCL path with the fused norm runs it exactly."""
+    decision = decide(problem(flashinfer=features(version), weight_offset=1.0), AUTO)
+    assert decision.fused is runs
+    if not runs:
+        assert "offset 1 needs flashinfer 0.7.2" in decision.reason
+
+
+def test_a_float32_residual_stream_takes_the_pcie_path_not_the_trtllm_one():
+    """The PCIe all-reduce is followed by fxfuse's own norm kernel, which adds a float32 residual; the
+    TensorRT-LLM kernel cannot."""
+    fp32_residual = dict(residual_dtype=torch.float32, weight_dtype=torch.float32)
+    assert decide(problem(topology=Topology.PCIE, pcie_max_tokens=512, **fp32_residual), AUTO).mode is FusionMode.PCIE
+    nvswitch = decide(problem(**fp32_residual), AUTO)
+    assert nvswitch.mode is FusionMode.FALLBACK and "norm weight dtype torch.float32" in nvswitch.reason
+
+
 # --- ranks agree ------------------------------------------------------------------------------
 
 def test_problem_has_no_per_rank_field():
     fields = {f.name for f in dataclasses.fields(FusionProblem)}
     assert fields == {"sm", "world_size", "dtype", "hidden_size", "num_tokens", "weight_dtype", "residual_dtype",
-                      "topology", "flashinfer", "trtllm_max_tokens", "pcie_max_tokens"}
+                      "topology", "flashinfer", "trtllm_max_tokens", "pcie_max_tokens", "weight_offset"}
 
 
 def test_decision_depends_only_on_its_arguments(monkeypatch):

@@ -170,7 +170,7 @@ def test_norm_kernels_compiled_before_the_installation_are_registered_by_it(monk
 _COMPILE_AND_REPORT = """
 import os, torch, torch.distributed as dist
 import fxfuse.backend
-from fxfuse.bench.fallback import block
+from fxfuse.bench.fallback_blocks import block
 from fxfuse.op.native_fallback import native_installed
 dist.init_process_group("gloo", init_method="file://" + os.environ["STORE"], rank=0, world_size=1)
 seen, really_on_cuda = [], fxfuse.backend.fused_sites_on_cuda

@@ -22,8 +22,8 @@ from fxfuse.op.schema import (
 from fxfuse.runner.launch import run_on_ranks
 
 SCHEMA = (
-    "fxfuse::allreduce_residual_rmsnorm(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name)"
-    " -> (Tensor normed, Tensor residual_out)"
+    "fxfuse::allreduce_residual_rmsnorm(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name,"
+    " float weight_offset=0., bool weight_in_fp32=False) -> (Tensor normed, Tensor residual_out)"
 )
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SHAPES = ((5, 32), (2, 3, 32))

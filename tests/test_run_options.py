@@ -36,8 +36,36 @@ def test_the_built_in_job_compiles_with_fxfuse_and_checks_itself_against_eager()
 def test_cuda_graph_widths_are_resolved_sorted_and_deduplicated(two_gpus):
     setup = prepare_run(RunOptions(device="cuda", graph_widths=(4, 1, 2, 2)))
     assert setup.options.cuda_graph is True and setup.options.graph_widths == (1, 2, 4)
-    assert setup.options.inner == "inductor" and setup.dynamic_shapes  # CUDA: Inductor, one graph for every width
+    assert setup.options.inner == "inductor"  # CUDA: Inductor
     assert prepare_run(RunOptions(device="cuda")).options.graph_widths == (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+@pytest.mark.parametrize(
+    "changes, dynamic",
+    [
+        ({}, "off"),  # CPU, no CUDA graphs: the prefill and the verify step, one static compile each
+        ({"device": "cuda"}, "off"),  # the 1-token verify step replays its graph: one compile per width
+        ({"device": "cuda", "tokens_per_step": 3}, "on"),  # width 3 has no graph: one graph serves all
+        ({"device": "cuda", "graph_widths": (1, 3), "tokens_per_step": 3}, "off"),
+        ({"device": "cuda", "cuda_graph": False, "tokens_per_step": 3}, "off"),  # uncaptured: two shapes
+        ({"device": "cuda", "dynamic": "on"}, "on"),  # asked for: as asked
+        ({"device": "cuda", "tokens_per_step": 3, "dynamic": "off"}, "off"),
+        ({"dynamic": "on"}, "on"),
+    ],
+)
+def test_dynamic_auto_means_static_shapes_unless_the_verify_width_runs_uncaptured_beside_graphs(two_gpus, changes, dynamic):
+    setup = prepare_run(RunOptions(**changes))
+    assert setup.options.dynamic == dynamic  # resolved, so the summary's options say what ran
+    assert setup.dynamic_shapes is (dynamic == "on")
+
+
+def test_resolve_dynamic_takes_the_callers_rule_for_auto_only():
+    from fxfuse.runner.options import resolve_dynamic
+
+    assert [resolve_dynamic(choice, when_auto) for choice in ("on", "off", "auto") for when_auto in (True, False)] == [
+        True, True, False, False, True, False]
+    with pytest.raises(ValueError, match="unknown dynamic-shapes choice 'maybe'; choose one of: auto, on, off"):
+        resolve_dynamic("maybe", True)
 
 
 @pytest.mark.parametrize(
@@ -46,6 +74,7 @@ def test_cuda_graph_widths_are_resolved_sorted_and_deduplicated(two_gpus):
         ({"graph_widths": (1, 2)}, "--graph-widths needs --device cuda"),
         ({"inner": "inductor", "backend": "eager"}, "--inner applies to --backend fxfuse only (got --backend eager)"),
         ({"inner": "tvm"}, "unknown inner compiler 'tvm'; choose one of: eager, inductor"),
+        ({"dynamic": "yes"}, "unknown dynamic-shapes choice 'yes'; choose one of: auto, on, off"),
         ({"tp": 3}, "tensor-parallel sizes that fit this model: 1, 2, 4"),
         ({"batch": 10**9}, "of this machine's memory (2 ranks x "),
     ],

@@ -13,16 +13,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fxfuse.command_line import at_least, comma_subset, int_list
-from fxfuse.runner.options import BACKENDS
+from fxfuse.command_line import at_least, comma_subset, int_list, positive_float
+from fxfuse.runner.options import BACKENDS, DYNAMIC_CHOICES
 
 MODEL_DESCRIPTION = ("DeepSeek-V3 verify-step latency, eager vs Inductor vs fxfuse, under CUDA graphs (or uncaptured "
                      "with --no-cuda-graphs).")
 KERNEL_DESCRIPTION = "The fused all-reduce + residual + RMSNorm op against unfused, per token count (CUDA)."
 GEMM_DESCRIPTION = ("The quantized GEMMs (FP8 block-scaled, INT4 experts) against bf16 at DeepSeek-V3 / Kimi-K2.5 "
                     "shapes, one GPU (CUDA).")
-FALLBACK_DESCRIPTION = ("The fused op's NCCL fallback against the unfused graph Inductor compiles, one GPU, "
-                        "one-rank NCCL group (CUDA).")
+FALLBACK_DESCRIPTION = ("The fused op's NCCL fallback against the unfused graph Inductor compiles, with or without an "
+                        "FP8 quantization after the norm, static and dynamic shapes, one GPU, one-rank NCCL group (CUDA).")
 
 #: Model benchmark defaults: step widths, batch sizes, the preset per device, layers, KV-cache length.
 DEFAULT_TOKENS = (1, 4, 16, 64)
@@ -36,8 +36,13 @@ OUT_DIR_HELP = f"where result files go; the files written are listed at the end 
 #: Kernel benchmark defaults: token counts 1 .. 2048 and the hidden sizes of DeepSeek-V3 and Llama-8B.
 DEFAULT_KERNEL_TOKENS = tuple(2**i for i in range(12))
 DEFAULT_HIDDEN = (7168, 4096)
-#: Fallback benchmark defaults: token counts 1 .. 4096.
+#: Fallback benchmark defaults: token counts 1 .. 4096; the quantization kinds after the norm
+#: (`fxfuse.bench.fallback_blocks`) and the shape modes (static: `dynamic=False`, dynamic: `dynamic=True`).
 DEFAULT_FALLBACK_TOKENS = tuple(2**i for i in range(13))
+FALLBACK_QUANT = ("none", "group", "row", "tensor")
+FALLBACK_MODES = ("static", "dynamic")
+#: The per-token-group quantization's group: `--hidden` must be a multiple of it with `--quant group`.
+QUANT_GROUP = 128
 #: GEMM benchmark defaults: decode, verify and small-prefill token counts; both parts.
 DEFAULT_GEMM_TOKENS = (1, 8, 64, 256)
 GEMM_PARTS = ("dense", "experts")
@@ -84,6 +89,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="on cuda, time the compiled steps uncaptured, as prefill and widths without a graph run: "
                         "each step then pays its host cost (Python, dispatch, launches) too (default: CUDA graphs)")
+    p.add_argument("--dynamic", choices=(*DYNAMIC_CHOICES, "both"), default="auto",
+                   help="compile the steps for dynamic shapes (on), one graph per batch x width (off), or both, each "
+                        "backend measured both ways in one run; auto: static shapes when every width is captured in a "
+                        "CUDA graph, dynamic otherwise (default auto)")
     p.add_argument("--weights", choices=("bf16", "fp8", "int4"), default="bf16",
                    help="random weights kept in bf16, as FP8 blocks or as INT4 routed experts; FXFUSE_FP8_GEMM picks "
                         "the FP8 GEMM (default bf16)")
@@ -133,12 +142,30 @@ def add_fallback_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated token counts (default {_joined(DEFAULT_FALLBACK_TOKENS)})")
     p.add_argument("--hidden", type=int_list(8, 1 << 16), default=DEFAULT_HIDDEN,
                    help=f"comma-separated hidden sizes (default {_joined(DEFAULT_HIDDEN)})")
+    p.add_argument("--quant", type=comma_subset(FALLBACK_QUANT), default=list(FALLBACK_QUANT),
+                   help="what follows the norm: none, FP8 per token group of 128 (group), per row (row) or with one "
+                        f"static scale (tensor); comma-separated (default {_joined(FALLBACK_QUANT)})")
+    p.add_argument("--modes", type=comma_subset(FALLBACK_MODES), default=list(FALLBACK_MODES),
+                   help="compile with static shapes (dynamic=False: one compile per token count) and/or dynamic "
+                        f"shapes (dynamic=True); comma-separated (default {_joined(FALLBACK_MODES)})")
+    # Compiles, not replays, take the sweep's time: 30 x 20 replays of both variants cost about 0.3 s at
+    # 4096 x 7168 (at the Inductor and fallback times measured there), far less at fewer tokens, against an
+    # estimated second or two per compile.
     p.add_argument("--repeats", type=at_least(1), default=30, help="timing samples per point and variant (default 30)")
     p.add_argument("--iters", type=at_least(1), default=20, help="calls captured in one CUDA graph (default 20)")
     p.add_argument("--host-calls", type=at_least(1), default=200,
                    help="uncaptured calls timed for the host cost (default 200)")
+    p.add_argument("--time-budget-s", type=positive_float, default=None,
+                   help="start no new point after this many seconds; the rest are listed as skipped (default: no budget)")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR,
                    help=OUT_DIR_HELP)
+
+
+def check_fallback_arguments(args: argparse.Namespace) -> None:
+    """Raise ValueError for fallback-benchmark options argparse cannot check itself."""
+    misfits = [h for h in args.hidden if h % QUANT_GROUP]
+    if "group" in args.quant and misfits:
+        raise ValueError(f"--quant group needs hidden sizes that are multiples of {QUANT_GROUP} (got {_joined(misfits)})")
 
 
 def add_gemm_arguments(p: argparse.ArgumentParser) -> None:

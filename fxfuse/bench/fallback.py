@@ -1,101 +1,196 @@
 """`fxfuse bench fallback`: the fused op's NCCL fallback against the unfused graph Inductor compiles, on one GPU.
 
 Where no fused all-reduce runs (a one-rank NCCL group here, tokens above a workspace, a machine
-without one), the fused op must cost no more than what it replaced. This benchmark compiles the same
-block twice, `x = 2 * input` (a producer whose output is dead after the all-reduce, as a matmul's
-is), `funcol.all_reduce(x) + residual`, then a transformers-style RMSNorm, bf16:
+without one), the fused op must cost no more than what it replaced, with or without an FP8
+quantization after the norm. For each quantization kind (`--quant`, the blocks of
+`fxfuse.bench.fallback_blocks`: the norm alone, per-token-group, per-row or static per-tensor FP8)
+and each shape mode (`--modes`), this benchmark compiles the same block twice:
 - `inductor`: `torch.compile(backend="inductor")`: NCCL all-reduce re-inplaced into x, then
-  Inductor's own add-RMSNorm kernel;
-- `fallback`: `torch.compile(backend=FxfuseBackend(fuse_without_fast_kernel=True))`: the same
-  graph with the site fused, so the fused op runs its NCCL plan (all-reduce in the donated x, then
-  the fused add-RMSNorm kernel).
-Both are captured in CUDA graphs of `--iters` calls and replayed in interleaved rounds; each point
-reports the median (and p25/p75) over `--repeats` samples in microseconds per call, and the ratio
-fallback / inductor. It also measures the host cost per call outside CUDA graphs (wall time of
-`--host-calls` back-to-back uncaptured calls at 1 token, where the GPU work is smallest) and checks
-both variants against an fp32 reference. One process, one GPU, NCCL with one rank: the numbers say
-what the fallback costs, not what fusing saves (that needs two or more GPUs).
+  Inductor's own add-RMSNorm(-quantization) code;
+- `fxfuse`: `torch.compile(backend=FxfuseBackend(fuse_without_fast_kernel=True))`: the same graph with
+  the site fused, so the fused op runs its NCCL plan (all-reduce in the donated x, then the fused
+  add-RMSNorm kernel); a quantization the pass does not fuse into the op is left to Inductor.
+Shape modes: `static` (`dynamic=False`: one compile per token count, as engines that capture one
+graph per width compile) and `dynamic` (`dynamic=True`: one graph for every count above 1, where
+Inductor's own code is slower). Both variants are captured in CUDA graphs of `--iters` calls and
+replayed in interleaved rounds; each point reports the median (and p25/p75) over `--repeats` samples
+in microseconds per call, and the ratio fxfuse / inductor. Every point checks both variants against a
+float32 reference (`fallback_blocks.check_outputs`: FP8 outputs dequantized, within one e4m3 step;
+scales within `SCALE_TOLERANCE`), and records what the fxfuse backend fused in each graph it compiled
+(its fused-op nodes, and whether the quantization went into the op: `allreduce_residual_rmsnorm_fp8`).
+It also measures the host cost per call outside CUDA graphs (the norm-only block at 1 token, per mode).
+One process, one GPU, NCCL with one rank: the numbers say what the fallback costs, not what fusing
+saves (that needs two or more GPUs).
+
+Cost of the default sweep (hidden 7168 and 4096, 13 token counts, 4 kinds, 2 modes): 208 points and
+about 240 compiles of a small graph (static: 2 per point; dynamic: 2 per variant and block, the 1-token
+graph and the rest); the report records the seconds spent in first calls (`first_call_s`, compiles
+included) and in total (`wall_s`). `--time-budget-s` stops starting points after that many seconds and
+lists the rest as skipped.
 
 Writes bench/results/fallback_<gpu>_<stamp>.json (fields gpu, world_size, versions, date, command,
-fallback_vs_inductor: [{tokens, hidden, fallback_us, inductor_us, ratio, ...}], host_cost) and .md.
+rows: [{tokens, hidden, quant, dynamic, fused_us, inductor_us, ratio, quartiles, check, fusion}],
+fusion, host_cost, op_parts, skipped) and .md (`fxfuse.bench.fallback_report`).
 """
 
 from __future__ import annotations
 
 import sys
+import time
+import traceback
+from typing import Callable
 
 import torch
-import torch.distributed._functional_collectives as funcol
 
-from fxfuse.bench.arguments import FALLBACK_DESCRIPTION, add_fallback_arguments
-from fxfuse.bench.output import gpu_slug, header_lines, one_gpu_arguments, report_header, package_versions, publish, relative_l2_error, write_result_files
+from fxfuse.bench.arguments import FALLBACK_DESCRIPTION, add_fallback_arguments, check_fallback_arguments
+from fxfuse.bench.fallback_blocks import BLOCKS, EPS, block_inputs, check_outputs, fp32_reference
+from fxfuse.bench.fallback_report import failures, file_stem, markdown
+from fxfuse.bench.output import one_gpu_arguments, package_versions, publish, report_header, write_result_files
 from fxfuse.bench.replay import interleaved_wall_us, replay_timings
 from fxfuse.runner.launch import run_on_ranks
 
-EPS = 1e-6
-TOLERANCE = 2e-2  # relative L2 error vs fp32; bf16 rounding alone gives about 3e-3
-
-
-def block(inp: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, group_name: str):
-    """Producer, all-reduce, residual add, RMSNorm (float32 upcast, weight after the cast back)."""
-    x = inp * 2
-    hidden = funcol.all_reduce(x, "sum", group_name) + residual
-    h = hidden.float()
-    normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(hidden.dtype)
-    return weight * normed, hidden
+#: The fused op's overloads by name as graph snapshots count them; the FP8 variant where it exists.
+NORM_OP = "fxfuse.allreduce_residual_rmsnorm"
+FP8_OP = "fxfuse.allreduce_residual_rmsnorm_fp8"
+#: Variant -> the prefix of its fields in the rows (`inductor_us`, `fused_us`, ...).
+FIELD = {"inductor": "inductor", "fxfuse": "fused"}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark on one GPU, write its files, return the exit status."""
-    args, status = one_gpu_arguments(argv, "fxfuse bench fallback", FALLBACK_DESCRIPTION, add_fallback_arguments)
+    """Run the benchmark on one GPU, write its files, return the exit status (1 if a check failed)."""
+    args, status = one_gpu_arguments(argv, "fxfuse bench fallback", FALLBACK_DESCRIPTION, add_fallback_arguments,
+                                     check_fallback_arguments)
     if status is not None:
         return status
-    options = {"tokens": args.tokens, "hidden": args.hidden, "repeats": args.repeats, "iters": args.iters,
-               "host_calls": args.host_calls}
+    options = {name: list(dict.fromkeys(getattr(args, name))) for name in ("tokens", "hidden", "quant", "modes")}
+    options.update(repeats=args.repeats, iters=args.iters, host_calls=args.host_calls, time_budget_s=args.time_budget_s)
     report = run_on_ranks(bench_rank, 1, options, device="cuda", timeout_s=1800)[0]
     publish(report, "fallback", argv, lambda r: write_result_files(
         args.out_dir / file_stem(r), r, markdown(r), lambda path: False), markdown)
-    if report["max_rel_err"] > TOLERANCE:
-        print(f"FAILED: relative error {report['max_rel_err']:.2e} above {TOLERANCE:.0e}", file=sys.stderr)
-        return 1
-    return 0
+    problems = failures(report)
+    for problem in problems:
+        print(f"FAILED: {problem}", file=sys.stderr)
+    return 1 if problems else 0
 
 
-def file_stem(report: dict) -> str:
-    """fallback_<gpu>_<stamp>."""
-    return f"fallback_{gpu_slug(report['gpu'])}_{report['stamp']}"
+def fused_op_names() -> list[str]:
+    """The fused op's overload packets by name (`fxfuse.allreduce_residual_rmsnorm`, and
+    `fxfuse.allreduce_residual_rmsnorm_fp8` once the op has that variant)."""
+    import fxfuse.op.schema  # noqa: F401 - registers torch.ops.fxfuse
+
+    packets = (torch.ops.fxfuse.allreduce_residual_rmsnorm, getattr(torch.ops.fxfuse, FP8_OP.split(".")[1], None))
+    return [str(packet) for packet in packets if packet is not None]
+
+
+def graph_fusion(record, quant: str) -> dict:
+    """What one fxfuse compile did: all-reduce sites before the passes, fused-op nodes by op name after,
+    whether the site is fused (as many fused-op nodes as sites) and, with a quantization, whether it went
+    into the op (an `..._fp8` node; None for `none`)."""
+    ops = {name: record.after.op_counts[name] for name in fused_op_names() if record.after.op_counts[name]}
+    sites = record.stats.allreduces_before
+    return {"allreduce_sites": sites, "fused_ops": ops, "site_fused": sites > 0 and sum(ops.values()) >= sites,
+            "quant_fused": None if quant == "none" else ops.get(FP8_OP, 0) > 0}
+
+
+class Variants:
+    """One block (quantization kind) compiled both ways for one shape mode; the fxfuse backends' records.
+
+    `next_point()` returns {"inductor": fn, "fxfuse": fn} for the next point, also `current` until the
+    next call: with static shapes a fresh pair for every point (after `torch._dynamo.reset()`, so each
+    point compiles once and no recompile limit is reached), with dynamic shapes one pair for all
+    points. `compiler` "eager" runs both graphs uncompiled after the passes (the CPU smoke test: no
+    code generation).
+    """
+
+    def __init__(self, quant: str, dynamic: bool, compiler: str = "inductor"):
+        self.quant, self.dynamic, self.compiler = quant, dynamic, compiler
+        self.backends: list = []
+        self.current: dict[str, Callable] | None = None
+
+    def next_point(self) -> dict[str, Callable]:
+        """The two compiled variants that serve the next point (compiled lazily, on their first call)."""
+        from fxfuse.backend import FxfuseBackend
+
+        if self.current is None or not self.dynamic:
+            torch._dynamo.reset()
+            backend = FxfuseBackend(inner=self.compiler, fuse_without_fast_kernel=True)
+            self.backends.append(backend)
+            block = BLOCKS[self.quant]
+            self.current = {
+                "inductor": torch.compile(block, backend=self.compiler, fullgraph=True, dynamic=self.dynamic),
+                "fxfuse": torch.compile(block, backend=backend, fullgraph=True, dynamic=self.dynamic),
+            }
+        return self.current
+
+    @property
+    def records(self) -> list:
+        """Every fxfuse compile so far, in order (one per point with static shapes)."""
+        return [record for backend in self.backends for record in backend.records]
+
+    def summary(self, hidden: int) -> dict:
+        """The fusion entry of the report: each fxfuse graph's `graph_fusion`."""
+        return {"hidden": hidden, "quant": self.quant, "dynamic": self.dynamic,
+                "graphs": [graph_fusion(record, self.quant) for record in self.records]}
+
+
+def checked_point(variants: Variants, tokens: int, hidden: int, device: torch.device, group_name: str) -> tuple[dict, tuple]:
+    """Run both variants once at a point (compiling where needed) and check them against float32.
+
+    Returns the row without timings (tokens, hidden, quant, dynamic, `check` per variant, `ok`,
+    `first_call_s` per variant, `fusion`: the fxfuse graph serving the point, i.e. the one compiled
+    for it, or under dynamic shapes the newest) and the point's inputs.
+    """
+    quant = variants.quant
+    inputs = block_inputs(quant, tokens, hidden, device)
+    reference = fp32_reference(quant, inputs)
+    compiled = variants.next_point()
+    row = {"tokens": tokens, "hidden": hidden, "quant": quant, "dynamic": variants.dynamic,
+           "check": {}, "first_call_s": {}}
+    for name, fn in compiled.items():
+        began = time.perf_counter()
+        outputs = fn(*inputs, group_name)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        row["first_call_s"][name] = time.perf_counter() - began
+        row["check"][name] = check_outputs(quant, outputs, reference)
+    row["fusion"] = graph_fusion(variants.records[-1], quant)
+    row["ok"] = all(check["ok"] for check in row["check"].values()) and row["fusion"]["site_fused"]
+    return row, inputs
 
 
 @torch.no_grad()
 def bench_rank(ctx, options: dict) -> dict:
-    """Compile both variants per hidden size, check them, and time every token count."""
+    """Compile, check and time every (hidden, quantization, mode, tokens) point, within the time budget."""
     import fxfuse
-    from fxfuse.backend import FxfuseBackend
     from fxfuse.op.cuda_dispatch import fusion_stats
     from fxfuse.op.native_fallback import native_installed
 
+    started = time.monotonic()
     device = torch.device("cuda", torch.cuda.current_device())
     group_name = ctx.group.group_name
-    rows, host_rows, errors = [], [], []
+    rows, fusion, host_rows, parts, skipped = [], [], [], [], []
     for hidden in options["hidden"]:
         fxfuse.prepare(ctx.group, hidden, torch.bfloat16, max(options["tokens"]))
-        backend = FxfuseBackend(fuse_without_fast_kernel=True)
-        torch._dynamo.reset()
-        variants = {
-            "inductor": torch.compile(block, backend="inductor", fullgraph=True, dynamic=True),
-            "fallback": torch.compile(block, backend=backend, fullgraph=True, dynamic=True),
-        }
-        for tokens in options["tokens"]:
-            inputs = _inputs(tokens, hidden, device)
-            reference = _fp32_reference(*inputs)
-            for name, fn in variants.items():
-                out = fn(*inputs, group_name)
-                errors.append(max(relative_l2_error(o, r) for o, r in zip(out, reference)))
-            if backend.records[-1].stats.fused != 1:
-                raise RuntimeError(f"the fxfuse variant did not fuse its site: {backend.records[-1].stats}")
-            rows.append({"tokens": tokens, "hidden": hidden, **_time_point(variants, inputs, group_name, options)})
-            if tokens == 1:
-                host_rows.append({"tokens": 1, "hidden": hidden, **_host_cost(variants, inputs, group_name, options["host_calls"])})
+        measured = False
+        for quant in options["quant"]:
+            for mode in options["modes"]:
+                variants = Variants(quant, mode == "dynamic")
+                for tokens in options["tokens"]:
+                    point = {"tokens": tokens, "hidden": hidden, "quant": quant, "dynamic": variants.dynamic}
+                    budget = options["time_budget_s"]
+                    if budget is not None and time.monotonic() - started > budget:
+                        skipped.append(point)
+                        continue
+                    row, inputs = _measured_point(variants, point, device, group_name, options)
+                    rows.append(row)
+                    measured = True
+                    if quant == "none" and tokens == 1 and inputs is not None:
+                        host_rows.append({"hidden": hidden, "dynamic": variants.dynamic,
+                                          **_host_cost(variants.current, inputs, group_name, options["host_calls"])})
+                if variants.backends:
+                    fusion.append(variants.summary(hidden))
+        if measured:
+            parts.append({"hidden": hidden, "parts_us": _fallback_parts_us(hidden, device, group_name, options["host_calls"])})
     return {
         **report_header("fxfuse bench fallback", torch.cuda.get_device_name()),
         "world_size": ctx.world_size,
@@ -103,25 +198,30 @@ def bench_rank(ctx, options: dict) -> dict:
         "dtype": "bfloat16",
         "iters": options["iters"],
         "repeats": options["repeats"],
-        "max_rel_err": max(errors),
+        "time_budget_s": options["time_budget_s"],
         "native_fallback": native_installed(),
-        "fallback_calls": {k: v for k, v in fusion_stats()["fallback"].items()},
-        "fallback_vs_inductor": rows,
+        "fallback_calls": dict(fusion_stats()["fallback"]),
+        "rows": rows,
+        "fusion": fusion,
         "host_cost": host_rows,
+        "op_parts": parts,
+        "skipped": skipped,
+        "first_call_s": sum(sum(r.get("first_call_s", {}).values()) for r in rows),
+        "wall_s": time.monotonic() - started,
     }
 
 
-def _inputs(tokens: int, hidden: int, device: torch.device):
-    g = torch.Generator(device="cpu").manual_seed(tokens * 7 + hidden)
-    inp = torch.randn(tokens, hidden, generator=g).to(device, torch.bfloat16)
-    residual = torch.randn(tokens, hidden, generator=g).to(device, torch.bfloat16)
-    weight = (1 + 0.1 * torch.randn(hidden, generator=g)).to(device, torch.bfloat16)
-    return inp, residual, weight
-
-
-def _fp32_reference(inp, residual, weight):
-    hidden = 2 * inp.float() + residual.float()
-    return hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + EPS) * weight.float(), hidden
+def _measured_point(variants: Variants, point: dict, device, group_name: str, options: dict) -> tuple[dict, tuple | None]:
+    """(`checked_point`'s row plus the CUDA-graph timings, the point's inputs); a point that raises is a
+    row with its `error` (one line; the traceback goes to stderr) and no inputs, and the sweep goes on."""
+    try:
+        row, inputs = checked_point(variants, point["tokens"], point["hidden"], device, group_name)
+        row.update(_time_point(variants.current, inputs, group_name, options))
+        return row, inputs
+    except Exception as exc:  # noqa: BLE001 - one broken point (a compile, a kernel) must not lose the sweep
+        traceback.print_exc()
+        message = str(exc).splitlines()[0] if str(exc) else ""
+        return {**point, "ok": False, "error": f"{type(exc).__name__}: {message}"[:300]}, None
 
 
 def _time_point(variants: dict, inputs, group_name: str, options: dict) -> dict:
@@ -130,37 +230,37 @@ def _time_point(variants: dict, inputs, group_name: str, options: dict) -> dict:
                              options["repeats"], options["iters"])
     out = {}
     for name, (median, q1, q3) in timings.items():
-        out.update({f"{name}_us": median, f"{name}_p25": q1, f"{name}_p75": q3})
-    out["ratio"] = out["fallback_us"] / out["inductor_us"]
+        out.update({f"{FIELD[name]}_us": median, f"{FIELD[name]}_p25": q1, f"{FIELD[name]}_p75": q3})
+    out["ratio"] = out["fused_us"] / out["inductor_us"]
     return out
 
 
 def _host_cost(variants: dict, inputs, group_name: str, calls: int) -> dict:
-    """Wall microseconds per uncaptured call, `calls` back to back (the GPU work is tiny at 1 token):
-    the two compiled blocks, and the parts of the fused op's fallback called eagerly (`parts_us`);
-    medians (and quartiles) over interleaved rounds, so that a slow spell of the host hits all alike."""
+    """Wall microseconds per uncaptured call of both compiled blocks, `calls` back to back (the GPU work
+    is tiny at 1 token); medians (and quartiles) over interleaved rounds, so that a slow spell of the
+    host hits both alike."""
     blocks = interleaved_wall_us({name: (lambda fn=fn: fn(*inputs, group_name)) for name, fn in variants.items()}, calls)
     out = {}
     for name, (median, q1, q3) in blocks.items():
-        out.update({f"{name}_host_us": median, f"{name}_host_p25": q1, f"{name}_host_p75": q3})
-    out["ratio"] = out["fallback_host_us"] / out["inductor_host_us"]
-    out["parts_us"] = {name: median for name, (median, _, _) in _fallback_parts_us(inputs, group_name, calls).items()}
+        out.update({f"{FIELD[name]}_host_us": median, f"{FIELD[name]}_host_p25": q1, f"{FIELD[name]}_host_p75": q3})
+    out["ratio"] = out["fused_host_us"] / out["inductor_host_us"]
     return out
 
 
-def _fallback_parts_us(inputs, group_name: str, calls: int) -> dict:
-    """Host cost of what one fallback call does, piece by piece, called eagerly: the all-reduce + wait
-    it issues, its add-RMSNorm kernel launch, the whole op through the dispatcher (its C++ kernel where
-    that is installed), and the op's Python kernel (`..._planned`, what runs without the C++ one)."""
+def _fallback_parts_us(hidden: int, device, group_name: str, calls: int) -> dict:
+    """Host cost (median us) of what one fallback call does at 1 token, piece by piece, called eagerly:
+    the all-reduce + wait it issues, its add-RMSNorm kernel launch, the whole op through the dispatcher
+    (its C++ kernel where that is installed), and the op's Python kernel (`..._planned`, what runs
+    without the C++ one)."""
     from fxfuse.op.add_rmsnorm_kernel import add_rmsnorm_into
     from fxfuse.op.schema import allreduce_residual_rmsnorm_donate_x
 
     python_kernel = torch.ops.fxfuse.allreduce_residual_rmsnorm_planned.default
     norm_op = torch.ops.fxfuse.add_rmsnorm_into.default  # the norm launch as the C++ fallback makes it without its own launch
-    inp, residual, weight = inputs
+    inp, residual, weight = block_inputs("none", 1, hidden, device)
     buffer, out_a, out_b = inp.clone(), torch.empty_like(inp), torch.empty_like(inp)
     all_reduce_, wait = torch.ops._c10d_functional.all_reduce_.default, torch.ops._c10d_functional.wait_tensor.default
-    return interleaved_wall_us({
+    timings = interleaved_wall_us({
         "allreduce_wait": lambda: wait(all_reduce_(buffer, "sum", group_name)),
         "empty_like_x2": lambda: (torch.empty_like(buffer), torch.empty_like(buffer)),
         "norm_kernel": lambda: add_rmsnorm_into(buffer, residual, weight, EPS, out_a, out_b),
@@ -168,30 +268,7 @@ def _fallback_parts_us(inputs, group_name: str, calls: int) -> dict:
         "op_eager": lambda: allreduce_residual_rmsnorm_donate_x(buffer, residual, weight, EPS, group_name),
         "op_python_kernel": lambda: python_kernel(buffer, residual, weight, EPS, group_name, True),
     }, calls)
-
-
-def markdown(report: dict) -> str:
-    """The report as a markdown table."""
-    lines = header_lines(f"fxfuse bench fallback: {report['gpu']}, one-rank NCCL group, {report['dtype']}", report) + [
-        f"- timing: CUDA-graph replay of {report['iters']} calls, median (p25-p75) of {report['repeats']} samples, "
-        "microseconds per call; variants interleaved",
-        f"- correctness: max relative L2 error vs fp32 {report['max_rel_err']:.2e}",
-        "",
-        "| hidden | tokens | Inductor us | fxfuse fallback us | ratio |",
-        "|---:|---:|---:|---:|---:|",
-    ]
-    for r in report["fallback_vs_inductor"]:
-        lines.append(f"| {r['hidden']} | {r['tokens']} | {r['inductor_us']:.2f} ({r['inductor_p25']:.2f}-{r['inductor_p75']:.2f}) "
-                     f"| {r['fallback_us']:.2f} ({r['fallback_p25']:.2f}-{r['fallback_p75']:.2f}) | {r['ratio']:.3f} |")
-    lines += ["", f"Host cost per uncaptured call (1 token; the op's C++ fallback {'installed' if report.get('native_fallback') else 'NOT installed'}; "
-              "median (p25-p75) of interleaved rounds):", "", "| hidden | Inductor us | fxfuse us | ratio |", "|---:|---:|---:|---:|"]
-    for r in report["host_cost"]:
-        lines.append(f"| {r['hidden']} | {r['inductor_host_us']:.1f} ({r['inductor_host_p25']:.1f}-{r['inductor_host_p75']:.1f}) "
-                     f"| {r['fallback_host_us']:.1f} ({r['fallback_host_p25']:.1f}-{r['fallback_host_p75']:.1f}) | {r['ratio']:.3f} |")
-    lines += ["", "Parts of one fallback call, called eagerly (us per call):", ""]
-    for r in report["host_cost"]:
-        lines.append(f"- hidden {r['hidden']}: " + ", ".join(f"{name} {us:.1f}" for name, us in r["parts_us"].items()))
-    return "\n".join(lines) + "\n"
+    return {name: median for name, (median, _, _) in timings.items()}
 
 
 if __name__ == "__main__":

@@ -8,10 +8,14 @@ in prefill and at widths without a graph); the backends are timed side by side, 
 rounds, and each timing is the median over `--repeats` samples of `--iters` calls (slowest rank).
 Every backend's logits are checked against eager on the same inputs and cache (relative L2 error),
 within a bound scaled by the model's own sensitivity to rounding (`fxfuse.bench.sensitivity`: an
-eager step with its first layer's input perturbed by half a bf16 rounding step). At tp > 1 it also
-times the collectives alone: the step's all-reduces ([batch * width, hidden] each, as many as the
-step does) captured in one graph, and reports their share of the unfused (Inductor) step. Results
-go to --out-dir as JSON, markdown and PNG (see `fxfuse.bench.model_report`).
+eager step with its first layer's input perturbed by half a bf16 rounding step). `--dynamic` says how
+the compiled backends are compiled: static shapes (`dynamic=False`, one graph per batch x width, what
+engines that capture one graph per width compile; the default under CUDA graphs), dynamic shapes (the
+default for uncaptured steps), or `both`: each compiled backend measured both ways in one run, a
+table per mode (`fxfuse.bench.model_report`). At tp > 1 it also times the collectives alone: the
+step's all-reduces ([batch * width, hidden] each, as many as the step does) captured in one graph,
+and reports their share of the unfused (Inductor) step. Results go to --out-dir as JSON, markdown
+and PNG (see `fxfuse.bench.model_report`).
 
 `--device cpu` is a smoke run of the same code (gloo ranks, no CUDA graphs, wall-clock timing) on
 the tiny preset by default: it checks the benchmark, not the speed. Options and their defaults:
@@ -36,11 +40,11 @@ import torch.distributed as dist
 
 from fxfuse.bench.arguments import DEFAULT_CONTEXT, DEFAULT_LAYERS, DEFAULT_PRESET, MODEL_DESCRIPTION, add_model_arguments
 from fxfuse.bench.model_report import markdown, write_report
-from fxfuse.bench.output import package_versions, publish, relative_l2_error, report_header
+from fxfuse.bench.output import mode_name, package_versions, publish, relative_l2_error, report_header
 from fxfuse.bench.sensitivity import SENSITIVITY_FACTOR, TOLERANCE, check_bound, perturbed_input
 from fxfuse.command_line import CommandParser, check_output_dir, parsed_or_status
 from fxfuse.runner.launch import run_on_ranks, under_torchrun
-from fxfuse.runner.options import BACKENDS, check_host_memory
+from fxfuse.runner.options import BACKENDS, check_host_memory, resolve_dynamic
 from fxfuse.runner.progress import Progress
 from fxfuse.runner.step_backends import CompiledStep, compile_step
 
@@ -64,6 +68,12 @@ class ModelBenchConfig:
     weights: str = "bf16"
     fp8_gemm: str = "w8a16"  # FP8 weights' GEMM (FXFUSE_FP8_GEMM), recorded in the report
     cuda_graphs: bool = True  # on cuda: replay captured steps (else call them uncaptured)
+    dynamic: tuple[bool, ...] = (True,)  # the shape modes each compiled backend is measured in (torch.compile's dynamic)
+
+
+#: A measured variant: (backend, torch.compile's `dynamic`), None for eager; the eager variant.
+Variant = tuple[str, bool | None]
+EAGER: Variant = ("eager", None)
 
 
 class BenchInputError(ValueError):
@@ -121,8 +131,19 @@ def config_from_args(args: argparse.Namespace) -> tuple[ModelBenchConfig, int]:
         repeats=args.repeats, iters=args.iters, device=args.device, time_budget_s=args.time_budget_s,
         single_rank_collectives=args.single_rank_collectives, weights=args.weights, fp8_gemm=fp8_gemm,
         cuda_graphs=args.cuda_graphs and args.device == "cuda",
+        dynamic=shape_modes(args.dynamic, args.cuda_graphs and args.device == "cuda"),
     )
     return bench, tp
+
+
+def shape_modes(choice: str, cuda_graphs: bool) -> tuple[bool, ...]:
+    """The `dynamic` values the compiled backends are measured with for a `--dynamic` choice: both
+    (static first) for "both"; for "auto" static shapes when every width is captured in a CUDA graph
+    (one compile per batch x width, as engines that capture one graph per width compile), dynamic
+    shapes when the steps run uncaptured (one graph for every width)."""
+    if choice == "both":
+        return (False, True)
+    return (resolve_dynamic(choice, when_auto=not cuda_graphs),)
 
 
 def _int_list(flag: str, text: str) -> tuple[int, ...]:
@@ -201,9 +222,9 @@ def bench_rank(ctx, config: ModelBenchConfig) -> dict | None:
         )
         init_random_shards(model, config.seed, ctx)
         model.eval()
-    compiled = {backend: compile_step(model, backend, config.single_rank_collectives) for backend in config.backends}
+    compiled = compiled_variants(model, config)
     fused_kernel_ready = None
-    if "fxfuse" in compiled and device.type == "cuda":
+    if "fxfuse" in config.backends and device.type == "cuda":
         import fxfuse
 
         max_tokens = max(config.batches) * max(config.tokens)
@@ -217,48 +238,70 @@ def bench_rank(ctx, config: ModelBenchConfig) -> dict | None:
             collective_rows += _time_collectives(ctx, config, model_config, batch, device, clock)
     if ctx.rank != 0:
         return None
-    fusion = (compiled["fxfuse"] if "fxfuse" in compiled else compile_step(model, "eager")).fusion_summary()
+    fxfuse_steps = [step for (backend, _), step in compiled.items() if backend == "fxfuse"]
+    fusion = (fxfuse_steps[0] if fxfuse_steps else compile_step(model, "eager")).fusion_summary()
     report = _report(config, ctx.world_size, device, rows, collective_rows, fusion, fused_kernel_ready)
     report["weight_gb"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
     report["peak_gpu_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
     return report
 
 
-def _bench_batch(ctx, config, model, compiled: dict[str, CompiledStep], batch: int, device, clock, progress) -> list[dict]:
-    """One batch size: prepare every backend (compile, capture), check it vs eager, time all side by side."""
+def compiled_variants(model, config: ModelBenchConfig) -> dict[Variant, CompiledStep]:
+    """Every (backend, dynamic) the benchmark measures: eager once (dynamic None), each compiled backend
+    once per shape mode of `config.dynamic`, in report order."""
+    variants: dict[Variant, CompiledStep] = {}
+    for backend in config.backends:
+        for dynamic in (None,) if backend == "eager" else config.dynamic:
+            variants[(backend, dynamic)] = compile_step(model, backend, config.single_rank_collectives,
+                                                        dynamic=bool(dynamic))
+    return variants
+
+
+def variant_name(variant: Variant, config: ModelBenchConfig) -> str:
+    """The backend, with its shape mode where the run measures both."""
+    backend, dynamic = variant
+    if dynamic is None or len(config.dynamic) == 1:
+        return backend
+    return f"{backend} ({mode_name(dynamic)})"
+
+
+def _bench_batch(ctx, config, model, compiled: dict[Variant, CompiledStep], batch: int, device, clock, progress) -> list[dict]:
+    """One batch size: prepare every variant (compile, capture), check it vs eager, time all side by side."""
     inputs = {w: _step_inputs(config, model.config.vocab_size, batch, w, device) for w in config.tokens}
-    runners: dict[str, Callable] = {}
-    outputs: dict[tuple[str, int], torch.Tensor] = {}
-    problems: dict[str, tuple[str, str]] = {}
-    for backend, step in compiled.items():
+    runners: dict[Variant, Callable] = {}
+    outputs: dict[tuple[Variant, int], torch.Tensor] = {}
+    problems: dict[Variant, tuple[str, str]] = {}
+    for variant, step in compiled.items():
+        name = variant_name(variant, config)
         if clock.over_budget():
-            problems[backend] = ("skipped", "time budget spent before this backend was captured")
+            problems[variant] = ("skipped", "time budget spent before this backend was captured")
             continue
-        with progress.phase(f"batch {batch}: {backend}: compiling, capturing and checking widths {list(config.tokens)}"):
-            runner, error = _prepare_runner(model, step.step, batch, config, inputs, device, outputs, backend, progress)
+        with progress.phase(f"batch {batch}: {name}: compiling, capturing and checking widths {list(config.tokens)}"):
+            runner, error = _prepare_runner(model, step.step, batch, config, inputs, device, outputs, variant, progress)
         if not _all_ranks_ok(ctx, error is None):
-            problems[backend] = ("error", error or "failed on another rank")
-            progress.note(f"batch {batch}: {backend}: FAILED: {problems[backend][1]}")
+            problems[variant] = ("error", error or "failed on another rank")
+            progress.note(f"batch {batch}: {name}: FAILED: {problems[variant][1]}")
             continue
-        runners[backend] = runner
+        runners[variant] = runner
     sensitivity = _eager_sensitivity(ctx, model, compiled, runners, inputs, outputs, config.tokens)
-    progress.note(f"batch {batch}: timing {len(runners)} backend(s) x {len(config.tokens)} widths, {config.repeats} rounds")
+    progress.note(f"batch {batch}: timing {len(runners)} variant(s) x {len(config.tokens)} widths, {config.repeats} rounds")
     samples = _interleaved_samples(ctx, config, runners, inputs, device)
     rows = []
-    for backend in config.backends:
+    for variant in compiled:
+        backend, dynamic = variant
         for width in config.tokens:
-            row = {"batch": batch, "tokens": width, "backend": backend, "status": "ok", "step_ms": None,
+            row = {"batch": batch, "tokens": width, "backend": backend, "dynamic": dynamic, "status": "ok", "step_ms": None,
                    "step_ms_p90": None, "rel_err_vs_eager": None, "eager_sensitivity": sensitivity.get(width), "note": ""}
-            if backend in problems:
-                row["status"], row["note"] = problems[backend]
+            if variant in problems:
+                row["status"], row["note"] = problems[variant]
             else:
-                times = samples[(backend, width)]
+                times = samples[(variant, width)]
                 row["step_ms"], row["step_ms_p90"] = _max_over_ranks(ctx, [statistics.median(times), _p90(times)])
-                if "eager" in runners and backend != "eager":
-                    err = relative_l2_error(outputs[(backend, width)], outputs[("eager", width)])
+                if EAGER in runners and variant != EAGER:
+                    err = relative_l2_error(outputs[(variant, width)], outputs[(EAGER, width)])
                     row["rel_err_vs_eager"] = _max_over_ranks(ctx, [err])[0]
                     row["status"] = "ok" if row["rel_err_vs_eager"] <= check_bound(sensitivity.get(width)) else "failed"
-                progress.note(f"  batch {batch} width {width:3d} {backend:8s} {row['step_ms']:9.3f} ms")
+                progress.note(f"  batch {batch} width {width:3d} {variant_name(variant, config):18s} {row['step_ms']:9.3f} ms")
             rows.append(row)
     del runners, outputs
     if device.type == "cuda":
@@ -266,7 +309,7 @@ def _bench_batch(ctx, config, model, compiled: dict[str, CompiledStep], batch: i
     return rows
 
 
-def _prepare_runner(model, step, batch, config, inputs, device, outputs, backend, progress) -> tuple[Callable | None, str | None]:
+def _prepare_runner(model, step, batch, config, inputs, device, outputs, variant, progress) -> tuple[Callable | None, str | None]:
     """The step as it is timed (CUDA graphs captured where `config.cuda_graphs`, else the plain step)
     and its first call per width into `outputs`, each on a freshly zeroed KV cache so every backend
     sees the same cache. Returns (runner, None), or (None, a one-line error) if compiling, capturing
@@ -275,7 +318,7 @@ def _prepare_runner(model, step, batch, config, inputs, device, outputs, backend
         runner = _captured(step, batch, config.tokens, device, progress) if config.cuda_graphs else step
         for width in config.tokens:
             model.reset_cache()
-            outputs[(backend, width)] = runner(*inputs[width]).float().clone()
+            outputs[(variant, width)] = runner(*inputs[width]).float().clone()
         return runner, None
     except Exception as exc:  # noqa: BLE001 - a backend that fails is reported, the others still run
         traceback.print_exc()
@@ -286,14 +329,14 @@ def _eager_sensitivity(ctx, model, compiled, runners, inputs, outputs, widths) -
     """Per width: the relative L2 distance of an eager step with its first layer's input perturbed
     (`fxfuse.bench.sensitivity.perturbed_input`) from the eager step's logits, on the same zeroed KV
     cache (the plain, uncaptured module: hooks do not run in a replayed graph); empty without eager."""
-    if "eager" not in runners:
+    if EAGER not in runners:
         return {}
     sensitivity = {}
     for width in widths:
         model.reset_cache()
         with perturbed_input(model):
-            perturbed = compiled["eager"].step(*inputs[width]).float()
-        sensitivity[width] = _max_over_ranks(ctx, [relative_l2_error(perturbed, outputs[("eager", width)])])[0]
+            perturbed = compiled[EAGER].step(*inputs[width]).float()
+        sensitivity[width] = _max_over_ranks(ctx, [relative_l2_error(perturbed, outputs[(EAGER, width)])])[0]
     return sensitivity
 
 
@@ -317,17 +360,17 @@ def _captured(step: Callable, batch: int, widths: tuple[int, ...], device: torch
     return CudaGraphStep(step, batch, widths, device, progress=progress)
 
 
-def _interleaved_samples(ctx, config: ModelBenchConfig, runners: dict[str, Callable], inputs, device) -> dict:
-    """Milliseconds per step, `repeats` samples per (backend, width); backends alternate within each round."""
-    samples: dict[tuple[str, int], list[float]] = {(b, w): [] for b in runners for w in config.tokens}
+def _interleaved_samples(ctx, config: ModelBenchConfig, runners: dict[Variant, Callable], inputs, device) -> dict:
+    """Milliseconds per step, `repeats` samples per (variant, width); variants alternate within each round."""
+    samples: dict[tuple[Variant, int], list[float]] = {(v, w): [] for v in runners for w in config.tokens}
     order = list(runners)
     if ctx.world_size > 1:
         dist.barrier(group=ctx.group)
     for round_index in range(config.repeats):
         rotated = order[round_index % len(order):] + order[: round_index % len(order)] if order else []
-        for backend in rotated:
+        for variant in rotated:
             for width in config.tokens:
-                samples[(backend, width)].append(_time_calls(runners[backend], inputs[width], config.iters, device))
+                samples[(variant, width)].append(_time_calls(runners[variant], inputs[width], config.iters, device))
     return samples
 
 

@@ -1,10 +1,11 @@
 """Turn `fxfuse bench model` measurements into files: JSON, a markdown table and a PNG plot.
 
 CPU-only; no measurement happens here. A report dict holds `results` rows (batch, tokens,
-backend, status "ok" / "failed" / "skipped", step_ms, step_ms_p90, rel_err_vs_eager,
-eager_sensitivity, note) and `collectives` rows (batch, tokens, allreduces, allreduce_ms).
-`summary_rows` derives, per (batch, tokens), the fxfuse/inductor ratio and the share of the unfused
-(Inductor) step spent in the all-reduces alone.
+backend, dynamic (the compiled backends' shape mode: False static, True dynamic; None for eager),
+status "ok" / "failed" / "skipped", step_ms, step_ms_p90, rel_err_vs_eager, eager_sensitivity, note)
+and `collectives` rows (batch, tokens, allreduces, allreduce_ms). `summary_rows` derives, per shape
+mode and (batch, tokens), the fxfuse/inductor ratio and the share of the unfused (Inductor) step
+spent in the all-reduces alone; `static_over_dynamic` compares a backend's two modes.
 """
 
 from __future__ import annotations
@@ -14,9 +15,14 @@ import re
 from pathlib import Path
 from typing import Any
 
-from fxfuse.bench.output import header_lines, write_result_files
+from fxfuse.bench.output import header_lines, mode_name, write_result_files
 
 BACKEND_ORDER = ("eager", "inductor", "fxfuse")
+#: What each shape mode of the compiled backends means, for the report.
+SHAPES = {
+    False: "static (dynamic=False: one graph per batch x width, as engines that capture one graph per width compile)",
+    True: "dynamic (dynamic=True: one graph for every batch and width, sizes of 1 specialized)",
+}
 
 
 def file_stem(report: dict[str, Any]) -> str:
@@ -26,34 +32,56 @@ def file_stem(report: dict[str, Any]) -> str:
     return f"model_{slug}_tp{report['world_size']}_{config['preset']}-{config['layers']}l_{report['stamp']}"
 
 
-def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per (batch, tokens): each backend's median ms, fxfuse/inductor, all-reduce ms and share.
+def report_modes(report: dict[str, Any]) -> list[bool | None]:
+    """The shape modes the compiled backends ran in (False: static, True: dynamic), static first; [None]
+    for reports that do not record them (eager only, or written before `--dynamic` existed)."""
+    modes = {r.get("dynamic") for r in report["results"] if r["backend"] != "eager"} - {None}
+    return sorted(modes) or [None]
 
-    The share is the all-reduces' time over the Inductor step's (eager's if Inductor was not run);
-    None where a number is missing (tp=1 has no all-reduce).
+
+def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per shape mode and (batch, tokens): each backend's median ms, fxfuse/inductor, all-reduce ms and share.
+
+    Eager (never compiled) appears in every mode's rows. The share is the all-reduces' time over the
+    Inductor step's (eager's if Inductor was not run); None where a number is missing (tp=1 has no
+    all-reduce).
     """
-    medians = {(r["batch"], r["tokens"], r["backend"]): r["step_ms"] for r in report["results"]}
+    medians = {(r["batch"], r["tokens"], r["backend"], r.get("dynamic")): r["step_ms"] for r in report["results"]}
     collectives = {(c["batch"], c["tokens"]): c["allreduce_ms"] for c in report["collectives"]}
     points = sorted({(r["batch"], r["tokens"]) for r in report["results"]})
     rows = []
-    for batch, tokens in points:
-        ms = {b: medians.get((batch, tokens, b)) for b in BACKEND_ORDER}
-        unfused = ms["inductor"] if ms["inductor"] is not None else ms["eager"]
-        allreduce_ms = collectives.get((batch, tokens))
-        rows.append({
-            "batch": batch,
-            "tokens": tokens,
-            **{f"{b}_ms": ms[b] for b in BACKEND_ORDER},
-            "fxfuse_over_inductor": _ratio(ms["fxfuse"], ms["inductor"]),
-            "allreduce_ms": allreduce_ms,
-            "allreduce_share": _ratio(allreduce_ms, unfused),
-        })
+    for dynamic in report_modes(report):
+        for batch, tokens in points:
+            ms = {b: medians.get((batch, tokens, b, None if b == "eager" else dynamic)) for b in BACKEND_ORDER}
+            unfused = ms["inductor"] if ms["inductor"] is not None else ms["eager"]
+            allreduce_ms = collectives.get((batch, tokens))
+            rows.append({
+                "dynamic": dynamic,
+                "batch": batch,
+                "tokens": tokens,
+                **{f"{b}_ms": ms[b] for b in BACKEND_ORDER},
+                "fxfuse_over_inductor": _ratio(ms["fxfuse"], ms["inductor"]),
+                "allreduce_ms": allreduce_ms,
+                "allreduce_share": _ratio(allreduce_ms, unfused),
+            })
     return rows
+
+
+def static_over_dynamic(rows: list[dict[str, Any]], backend: str) -> dict[str, float] | None:
+    """Geometric mean, min and max of `backend`'s static-shape step time over its dynamic-shape one at
+    the points measured both ways; None unless the rows hold both modes."""
+    static = {(r["batch"], r["tokens"]): r[f"{backend}_ms"] for r in rows if r["dynamic"] is False}
+    ratios = [static[(r["batch"], r["tokens"])] / r[f"{backend}_ms"] for r in rows
+              if r["dynamic"] is True and r[f"{backend}_ms"] and static.get((r["batch"], r["tokens"]))]
+    return _spread(ratios)
 
 
 def ratio_summary(rows: list[dict[str, Any]]) -> dict[str, float] | None:
     """Geometric mean, min and max of fxfuse/inductor over the points that have both; None if none."""
-    ratios = [r["fxfuse_over_inductor"] for r in rows if r["fxfuse_over_inductor"] is not None]
+    return _spread([r["fxfuse_over_inductor"] for r in rows if r["fxfuse_over_inductor"] is not None])
+
+
+def _spread(ratios: list[float]) -> dict[str, float] | None:
     if not ratios:
         return None
     return {
@@ -85,7 +113,7 @@ def _bound_text(report: dict[str, Any]) -> str:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    """A markdown summary: header facts, then one row per (batch, tokens per sequence)."""
+    """A markdown summary: header facts, then one row per (batch, tokens per sequence), a table per shape mode."""
     config = report["config"]
     rows = summary_rows(report)
     checked = [r["rel_err_vs_eager"] for r in report["results"] if r["rel_err_vs_eager"] is not None]
@@ -103,10 +131,12 @@ def markdown(report: dict[str, Any]) -> str:
     if checked:
         lines.append(f"- check: logits vs eager on the same inputs, worst relative L2 error {max(checked):.2e} "
                      f"({_bound_text(report)})")
-    summary = ratio_summary(rows)
-    if summary is not None:
-        lines.append(f"- fxfuse / inductor: geometric mean {summary['geomean']:.3f} over {summary['points']} points "
-                     f"(min {summary['min']:.3f}, max {summary['max']:.3f})")
+    modes = report_modes(report)
+    if modes != [None]:
+        lines.append("- shapes: " + "; ".join(SHAPES[dynamic] for dynamic in modes)
+                     + ("; one table per mode" if len(modes) > 1 else ""))
+    if len(modes) == 1:
+        lines += _ratio_lines(rows, "fxfuse / inductor")
     if report["world_size"] == 1 and report.get("single_rank_collectives"):
         lines.append("- tp=1 with one-rank all-reduces issued at every site and fused by fxfuse, whose op runs its NCCL "
                      "fallback there: fxfuse/inductor is what the fallback costs in the whole step")
@@ -115,21 +145,40 @@ def markdown(report: dict[str, Any]) -> str:
     skipped = [r for r in report["results"] if r["status"] == "skipped"]
     if skipped:
         lines.append(f"- {len(skipped)} point(s) skipped: {skipped[0]['note']}")
-    lines += [
-        "",
-        "| batch | tokens/seq | eager ms | inductor ms | fxfuse ms | fxfuse/inductor | all-reduce ms | all-reduce share |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        ratio = "-" if r["fxfuse_over_inductor"] is None else f"{r['fxfuse_over_inductor']:.3f}"
-        share = "-" if r["allreduce_share"] is None else f"{100 * r['allreduce_share']:.1f}%"
-        lines.append(f"| {r['batch']} | {r['tokens']} | {_ms(r['eager_ms'])} | {_ms(r['inductor_ms'])} | "
-                     f"{_ms(r['fxfuse_ms'])} | {ratio} | {_ms(r['allreduce_ms'])} | {share} |")
+    if len(modes) > 1:
+        for backend in ("inductor", "fxfuse"):
+            spread = static_over_dynamic(rows, backend)
+            if spread is not None:
+                lines.append(f"- {backend}, static-shape step / dynamic-shape step: geometric mean {spread['geomean']:.3f} "
+                             f"over {spread['points']} points (min {spread['min']:.3f}, max {spread['max']:.3f})")
+    for dynamic in modes:
+        mode_rows = [r for r in rows if r["dynamic"] is dynamic]
+        if len(modes) > 1:
+            lines += ["", f"### {mode_name(dynamic)} shapes", ""] + _ratio_lines(mode_rows, "fxfuse / inductor")
+        lines += [
+            "",
+            "| batch | tokens/seq | eager ms | inductor ms | fxfuse ms | fxfuse/inductor | all-reduce ms | all-reduce share |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in mode_rows:
+            ratio = "-" if r["fxfuse_over_inductor"] is None else f"{r['fxfuse_over_inductor']:.3f}"
+            share = "-" if r["allreduce_share"] is None else f"{100 * r['allreduce_share']:.1f}%"
+            lines.append(f"| {r['batch']} | {r['tokens']} | {_ms(r['eager_ms'])} | {_ms(r['inductor_ms'])} | "
+                         f"{_ms(r['fxfuse_ms'])} | {ratio} | {_ms(r['allreduce_ms'])} | {share} |")
     failed = [r for r in report["results"] if r["status"] == "failed"]
     if failed:
-        lines += ["", "FAILED checks: " + ", ".join(f"{r['backend']} batch {r['batch']} x {r['tokens']} "
-                                                    f"(err {r['rel_err_vs_eager']:.2e})" for r in failed)]
+        lines += ["", "FAILED checks: " + ", ".join(
+            f"{r['backend']}{' ' + mode_name(r.get('dynamic')) if len(modes) > 1 else ''} batch {r['batch']} x "
+            f"{r['tokens']} (err {r['rel_err_vs_eager']:.2e})" for r in failed)]
     return "\n".join(lines) + "\n"
+
+
+def _ratio_lines(rows: list[dict[str, Any]], what: str) -> list[str]:
+    summary = ratio_summary(rows)
+    if summary is None:
+        return []
+    return [f"- {what}: geometric mean {summary['geomean']:.3f} over {summary['points']} points "
+            f"(min {summary['min']:.3f}, max {summary['max']:.3f})"]
 
 
 def _or_dash(value: Any) -> str:
@@ -146,14 +195,18 @@ def plot(report: dict[str, Any], path: Path) -> bool:
         import matplotlib.ticker
     except ImportError:
         return False
-    rows = summary_rows(report)
+    rows, modes = summary_rows(report), report_modes(report)
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(1, len(batches) + 1, figsize=(5 * (len(batches) + 1), 4), squeeze=False)
     for ax, batch in zip(axes[0], batches):
-        for backend in BACKEND_ORDER:
-            points = [(r["tokens"], r[f"{backend}_ms"]) for r in rows if r["batch"] == batch and r[f"{backend}_ms"] is not None]
-            if points:
-                ax.plot(*zip(*points), marker="o", label=backend)
+        for dynamic in modes:
+            for backend in BACKEND_ORDER:
+                if backend == "eager" and dynamic != modes[0]:
+                    continue  # eager is not compiled: drawn once
+                points = [(r["tokens"], r[f"{backend}_ms"]) for r in rows
+                          if r["batch"] == batch and r["dynamic"] is dynamic and r[f"{backend}_ms"] is not None]
+                if points:
+                    ax.plot(*zip(*points), marker="o", label=_series(backend, dynamic, modes, backend == "eager"))
         _token_axis(ax, rows)
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
@@ -163,11 +216,12 @@ def plot(report: dict[str, Any], path: Path) -> bool:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     ratio_ax = axes[0][-1]
-    for batch in batches:
-        points = [(r["tokens"], r["fxfuse_over_inductor"]) for r in rows
-                  if r["batch"] == batch and r["fxfuse_over_inductor"] is not None]
-        if points:
-            ratio_ax.plot(*zip(*points), marker="o", label=f"batch {batch}")
+    for dynamic in modes:
+        for batch in batches:
+            points = [(r["tokens"], r["fxfuse_over_inductor"]) for r in rows
+                      if r["batch"] == batch and r["dynamic"] is dynamic and r["fxfuse_over_inductor"] is not None]
+            if points:
+                ratio_ax.plot(*zip(*points), marker="o", label=_series(f"batch {batch}", dynamic, modes, False))
     ratio_ax.axhline(1.0, color="gray", linewidth=1)
     _token_axis(ratio_ax, rows)
     ratio_ax.set_title("fxfuse / inductor")
@@ -181,6 +235,11 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def _series(name: str, dynamic: bool | None, modes: list[bool | None], uncompiled: bool) -> str:
+    """A plot label: the name, with its shape mode where the report has several (not for eager)."""
+    return name if len(modes) == 1 or uncompiled else f"{name}, {mode_name(dynamic)}"
+
+
 def _token_axis(ax, rows: list[dict[str, Any]]) -> None:
     """A log2 x axis labelled with the measured tokens-per-sequence values."""
     tokens = sorted({r["tokens"] for r in rows})
@@ -190,7 +249,10 @@ def _token_axis(ax, rows: list[dict[str, Any]]) -> None:
 
 
 def write_report(report: dict[str, Any], out_dir: Path) -> list[Path]:
-    """Write <stem>.json (with the summary rows), <stem>.md and, with matplotlib, <stem>.png; return their paths."""
-    rows = summary_rows(report)
-    document = {**report, "summary": rows, "fxfuse_over_inductor": ratio_summary(rows)}
+    """Write <stem>.json (with the summary rows and `fxfuse_over_inductor`, the ratios' spread, per shape
+    mode when the run measured both), <stem>.md and, with matplotlib, <stem>.png; return their paths."""
+    rows, modes = summary_rows(report), report_modes(report)
+    ratios = ratio_summary(rows) if len(modes) == 1 else {
+        mode_name(dynamic): ratio_summary([r for r in rows if r["dynamic"] is dynamic]) for dynamic in modes}
+    document = {**report, "summary": rows, "fxfuse_over_inductor": ratios}
     return write_result_files(out_dir / file_stem(report), document, markdown(report), lambda path: plot(report, path))

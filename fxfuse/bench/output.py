@@ -82,19 +82,29 @@ def package_versions(packages: tuple[str, ...]) -> dict[str, str]:
     return versions
 
 
+def mode_name(dynamic: bool | None) -> str:
+    """A compile's shape mode in words: "static" (`dynamic=False`), "dynamic" (`dynamic=True`), "" (None:
+    not compiled, or not recorded)."""
+    return {False: "static", True: "dynamic"}.get(dynamic, "")
+
+
 def gpu_slug(gpu: str) -> str:
     """A GPU name as it appears in result file names: lower case, runs of other characters as one '-'."""
     return re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
 
 
 def one_gpu_arguments(argv: list[str] | None, prog: str, description: str,
-                      declare: Callable[[argparse.ArgumentParser], None]) -> tuple[argparse.Namespace | None, int | None]:
-    """A one-GPU benchmark's arguments (declared by `declare`), --out-dir checked and a GPU required:
-    `(args, None)` to go on, or `(None, exit status)` after --help, a usage error or a one-line error."""
+                      declare: Callable[[argparse.ArgumentParser], None],
+                      check: Callable[[argparse.Namespace], None] | None = None) -> tuple[argparse.Namespace | None, int | None]:
+    """A one-GPU benchmark's arguments (declared by `declare`, then checked by `check`, which raises
+    ValueError), --out-dir checked and a GPU required: `(args, None)` to go on, or `(None, exit status)`
+    after --help, a usage error or a one-line error."""
     def parse() -> argparse.Namespace:
         parser = CommandParser(prog=prog, description=description)
         declare(parser)
         args = parser.parse_args(argv)
+        if check is not None:
+            check(args)
         check_output_dir(args.out_dir, "--out-dir")
         return args
 

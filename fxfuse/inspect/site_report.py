@@ -32,9 +32,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxfuse.backend import CompileRecord, FxfuseBackend
 from fxfuse.models.config import ModelConfig
 from fxfuse.models.parallel import ParallelContext
+from fxfuse.op.fp8_schema import FP8_OPS
 from fxfuse.op.schema import FUSED_OPS
 from fxfuse.op.settings import current_settings, what_fused_sites_run
 from fxfuse.passes.config import PATTERNS
+from fxfuse.passes.fp8_epilogue import FP8_REASON
 from fxfuse.passes.pattern_support import ALL_REDUCE
 from fxfuse.passes.unfused_reasons import (
     REDUCE_SCATTER,
@@ -59,7 +61,9 @@ class SiteRow:
     `layer`: its decoder layer index (None outside the layers); `block`: embedding, attention, MLP,
     MoE, or the module's class name; `merged`: reduced together with another site first (pattern 3);
     `reason`: why it is not fused (None when fused); `graph`: which compiled graph (pass run) it is in;
-    `collective`: `all_reduce` or `reduce_scatter`.
+    `collective`: `all_reduce` or `reduce_scatter`; `fp8`: for a fused site whose normed output is
+    quantized to FP8, whether the quantization was folded into the op ("fused: <scaling>") or why not
+    ("left out: <reason>"); None when no quantization follows.
     """
 
     index: int
@@ -71,6 +75,7 @@ class SiteRow:
     reason: str | None
     graph: int = 0
     collective: str = "all_reduce"
+    fp8: str | None = None
 
 
 @dataclass(frozen=True)
@@ -111,7 +116,8 @@ class FusionReport:
             fused = ("merged" if row.merged else "yes") if row.fused else "NO"
             number = f"{row.graph}:{row.index}" if several_graphs else str(row.index)
             lines.append(f"{number:>4}  {layer:>5}  {row.block:<10}  {fused:<6}  {row.module}"
-                         + ("" if row.reason is None else f": {row.reason}"))
+                         + ("" if row.reason is None else f": {row.reason}")
+                         + ("" if row.fp8 is None else f" [FP8 quantization {row.fp8}]"))
         lines.append(
             f"{self.model} ({self.layers} layers, tp={self.tp}, {self.dtype}): {self.fused_sites} of "
             f"{self.allreduce_sites} all-reduce sites fused ({self.fused_ops} fused ops, {self.merged} merges); "
@@ -192,12 +198,14 @@ class SiteTracingBackend(FxfuseBackend):
     def _rows(self, graph: torch.fx.Graph, producers: list[torch.fx.Node], before: set[torch.fx.Node]) -> list[SiteRow]:
         """Follow each site's producer into the rewritten graph: the input of a fused op or of an
         all-reduce left over, directly or through the merge pass's new sum of partial results."""
-        fused, merged, reasons = set(), set(), {}
+        fused, merged, reasons, fp8 = set(), set(), {}, {}
         for op in FUSED_OPS:
             for site in graph.find_nodes(op="call_function", target=op):
                 originals = _original_inputs(site.args[0], before)
                 fused.update(originals)
                 merged.update(originals if len(originals) > 1 else ())
+                note = fp8_note(site)
+                fp8.update(dict.fromkeys(originals, note) if note else {})
         for left in graph.find_nodes(op="call_function", target=ALL_REDUCE):
             originals = _original_inputs(left.args[0], before)
             merged.update(originals if len(originals) > 1 else ())
@@ -207,8 +215,17 @@ class SiteTracingBackend(FxfuseBackend):
             layer, block, module = site_location(producer)
             is_fused = producer in fused
             reason = None if is_fused else reasons.get(producer, "not found in the rewritten graph")
-            rows.append(SiteRow(index, layer, block, module, is_fused, producer in merged, reason))
+            rows.append(SiteRow(index, layer, block, module, is_fused, producer in merged, reason, fp8=fp8.get(producer)))
         return rows
+
+
+def fp8_note(site: torch.fx.Node) -> str | None:
+    """What became of the FP8 quantization after a fused site (`SiteRow.fp8`)."""
+    if site.target in FP8_OPS:
+        scaling, group_size = site.args[5], site.args[6]
+        return f"fused: {scaling}" + (f" {group_size}" if scaling == "per_group" else "")
+    reason = site.meta.get(FP8_REASON)
+    return None if reason is None else f"left out: {reason}"
 
 
 def _in_another_graph(row: SiteRow, normed: list[tuple[int, str]]) -> SiteRow:

@@ -1,8 +1,9 @@
 """One fused residual-add + RMSNorm kernel (Triton), with the op's rounding order.
 
 `add_rmsnorm_into(reduced, residual, weight, eps, residual_out, normed)` computes, per row,
-`residual_out = reduced + residual` rounded to the dtype, then
-`normed = weight * (h * rsqrt(mean(h**2) + eps)).to(dtype)` with `h = residual_out` in float32:
+`residual_out = reduced + residual` rounded to the residual's dtype, then
+`normed = weight * (h * rsqrt(mean(h**2) + eps)).to(dtype)` with `h = residual_out` in float32 (or,
+with `weight_in_fp32`, the weight plus `weight_offset` applied in float32 before the cast):
 exactly `fxfuse.op.reference.add_rmsnorm`, in one pass over the data. It is what the fused op's
 non-FlashInfer paths run after their all-reduce (NCCL, or FlashInfer's PCIe all-reduce), so that a
 site whose collective is not fused still costs one norm kernel, as the unfused graph compiled by
@@ -64,21 +65,26 @@ def _kernel():
     def add_rmsnorm_rows(
         reduced_ptr, residual_ptr, weight_ptr, residual_out_ptr, normed_ptr,
         hidden, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < hidden
         offsets = row * hidden + cols
-        summed = tl.load(reduced_ptr + offsets, mask=mask, other=0.0)
+        reduced = tl.load(reduced_ptr + offsets, mask=mask, other=0.0)
+        summed = reduced
         if HAS_RESIDUAL:
-            summed = summed + tl.load(residual_ptr + offsets, mask=mask, other=0.0)
+            residual = tl.load(residual_ptr + offsets, mask=mask, other=0.0)
+            summed = reduced.to(residual.dtype) + residual
         tl.store(residual_out_ptr + offsets, summed, mask=mask)
         h = summed.to(tl.float32)
         variance = tl.sum(h * h, axis=0) / hidden
-        normalized = (h * tl.rsqrt(variance + eps)).to(summed.dtype)
         weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-        tl.store(normed_ptr + offsets, weight * normalized, mask=mask)
+        if WEIGHT_IN_FP32:
+            normed = (h * tl.rsqrt(variance + eps) * (weight.to(tl.float32) + WEIGHT_OFFSET)).to(reduced.dtype)
+        else:
+            normed = weight * (h * tl.rsqrt(variance + eps)).to(summed.dtype)
+        tl.store(normed_ptr + offsets, normed, mask=mask)
 
     return add_rmsnorm_rows
 
@@ -90,12 +96,17 @@ def add_rmsnorm_into(
     eps: float,
     residual_out: torch.Tensor,
     normed: torch.Tensor,
+    weight_offset: float = 0.0,
+    weight_in_fp32: bool = False,
 ) -> None:
-    """Write `reduced (+ residual)` into `residual_out` and its RMSNorm times `weight` into `normed`.
+    """Write `reduced (+ residual)` into `residual_out` and its RMSNorm times the weight into `normed`,
+    the weight applied as `fxfuse.op.reference.add_rmsnorm` says.
 
-    All tensors are contiguous and of one shape [..., hidden] (weight [hidden]), one dtype, on one
-    device; `residual_out` may be `reduced`. Safe inside CUDA-graph capture once compiled for this dtype and
-    hidden size (call it once outside capture first: Triton compiles on first use).
+    All tensors are contiguous and of one shape [..., hidden] (weight [hidden]), on one device, of
+    `reduced`'s dtype but a float32 residual / residual_out (a float32 residual stream) or a float32
+    weight (applied in float32); `residual_out` may be `reduced` when their dtypes agree. Safe inside
+    CUDA-graph capture once compiled for these dtypes and this hidden size (call it once outside
+    capture first: Triton compiles on first use).
     """
     hidden = reduced.shape[-1]
     tokens = reduced.numel() // hidden if hidden else 0
@@ -105,18 +116,19 @@ def add_rmsnorm_into(
     args = (reduced, residual if has_residual else reduced, weight, residual_out, normed, hidden, float(eps))
     if reduced.is_cuda:
         device = torch.cuda.current_device()
-        key = (device, hidden, has_residual, reduced.dtype, args[1].dtype, weight.dtype, residual_out.dtype, normed.dtype)
+        key = (device, hidden, has_residual, reduced.dtype, args[1].dtype, weight.dtype, residual_out.dtype, normed.dtype,
+               float(weight_offset), bool(weight_in_fp32))
         direct = _DIRECT.get(key)
         if direct is not None and _aligned(args[:5]) and not launch_hooks_installed():
             direct(tokens, device, args)
             return
     if hidden > MAX_HIDDEN:
-        normed_value, summed = add_rmsnorm(reduced, residual, weight, eps)
+        normed_value, summed = add_rmsnorm(reduced, residual, weight, eps, weight_offset, weight_in_fp32)
         residual_out.copy_(summed)
         normed.copy_(normed_value)
         return
     block = next_power_of_2(hidden)
-    constexprs = (has_residual, block)
+    constexprs = (has_residual, block, bool(weight_in_fp32), float(weight_offset))
     compiled = _kernel()[(tokens,)](*args, *constexprs, num_warps=num_warps_for(block))
     if reduced.is_cuda and _aligned(args[:5]) and key not in _DIRECT:
         _DIRECT[key] = DirectLaunch(compiled, constexprs)

@@ -6,6 +6,8 @@ import, no CUDA); `features(version)` turns it into the gates the decision table
   SM 12.x only from 0.6.17 (FlashInfer PR 3903: before it the SM 12.x Lamport kernel had an empty body
   and returned garbage without an error);
 - the PCIe IPC all-reduce (`flashinfer.comm.PcieIpcAllReduceWorkspace`): 0.7.2 and later;
+- the TensorRT-LLM kernel's `weight_bias` (a constant added to the norm weight in float32, what a
+  zero-centred Gemma norm needs): 0.7.2 and later (not in 0.6.3);
 - versions outside the range fxfuse was written and tested against (0.6.3 to 0.7.x) get neither.
 """
 
@@ -22,6 +24,7 @@ OLDEST = (0, 6, 3)
 NEWEST_EXCLUSIVE = (0, 8, 0)
 TRTLLM_SM12 = (0, 6, 17)
 PCIE_IPC = (0, 7, 2)
+TRTLLM_WEIGHT_BIAS = (0, 7, 2)
 
 
 def parse_version(text: str) -> tuple[int, int, int] | None:
@@ -51,6 +54,7 @@ class FlashInferFeatures:
     trtllm_sm12: bool
     pcie: bool
     why_not: str = ""
+    trtllm_weight_bias: bool = False
 
     def trtllm_arch_supported(self, sm: int) -> bool:
         """Whether this FlashInfer builds the TensorRT-LLM fusion kernel for compute capability `sm`."""
@@ -65,7 +69,8 @@ def features(version: str | None) -> FlashInferFeatures:
     if parsed is None or not OLDEST <= parsed < NEWEST_EXCLUSIVE:
         supported = f"{'.'.join(map(str, OLDEST))} to <{'.'.join(map(str, NEWEST_EXCLUSIVE))}"
         return FlashInferFeatures(version, False, False, False, f"flashinfer {version} is outside {supported}")
-    return FlashInferFeatures(version, True, parsed >= TRTLLM_SM12, parsed >= PCIE_IPC)
+    return FlashInferFeatures(version, True, parsed >= TRTLLM_SM12, parsed >= PCIE_IPC,
+                              trtllm_weight_bias=parsed >= TRTLLM_WEIGHT_BIAS)
 
 
 def installed_features() -> FlashInferFeatures:

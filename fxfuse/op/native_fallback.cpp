@@ -169,9 +169,9 @@ c10::DispatchKeySet backend_keys(const at::Tensor& t) {
 // The Python kernel that decides and runs every plan (shapes not registered here).
 std::tuple<at::Tensor, at::Tensor> run_planned(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                                                const at::Tensor& weight, double eps, const std::string& group,
-                                               bool donated) {
+                                               bool donated, double weight_offset, bool weight_in_fp32) {
   static const c10::OperatorHandle planned = op_handle("fxfuse::allreduce_residual_rmsnorm_planned", "");
-  torch::jit::Stack stack{x, residual, weight, eps, group, donated};
+  torch::jit::Stack stack{x, residual, weight, eps, group, donated, weight_offset, weight_in_fp32};
   planned.redispatchBoxed(backend_keys(x), &stack);
   return {stack[0].toTensor(), stack[1].toTensor()};
 }
@@ -224,16 +224,19 @@ std::atomic<int64_t>* counter_of(const ShapeKey& key) {
 
 std::tuple<at::Tensor, at::Tensor> run_shape(const at::Tensor& x, const std::optional<at::Tensor>& residual,
                                              const at::Tensor& weight, double eps, const std::string& group,
-                                             bool donated) {
+                                             bool donated, double weight_offset, bool weight_in_fp32) {
   const int64_t hidden = x.dim() ? x.size(-1) : 0;
   const ShapeKey key{group, hidden ? x.numel() / hidden : 0, hidden, dtype_code(x.scalar_type()),
                      dtype_code(weight.scalar_type()),
                      residual.has_value() ? dtype_code(residual->scalar_type()) : kNoResidual};
+  // Only the plain norm (the weight in x's dtype after the cast, a residual of x's dtype) runs here.
+  const bool plain = weight_offset == 0.0 && !weight_in_fp32 &&
+                     (!residual.has_value() || residual->scalar_type() == x.scalar_type());
   const bool fits = weight.dim() == 1 && weight.size(0) == hidden && weight.device() == x.device() &&
                     (!residual.has_value() || (residual->sizes() == x.sizes() && residual->device() == x.device()));
-  std::atomic<int64_t>* counter = fits && key.tokens != 0 ? counter_of(key) : nullptr;
+  std::atomic<int64_t>* counter = plain && fits && key.tokens != 0 ? counter_of(key) : nullptr;
   if (counter == nullptr) {  // Python decides (and raises on arguments that do not fit)
-    return run_planned(x, residual, weight, eps, group, donated);
+    return run_planned(x, residual, weight, eps, group, donated, weight_offset, weight_in_fp32);
   }
   static const c10::OperatorHandle all_reduce_ = op_handle("_c10d_functional::all_reduce_", "");
   static const c10::OperatorHandle wait_tensor = op_handle("_c10d_functional::wait_tensor", "");
@@ -269,16 +272,19 @@ std::tuple<at::Tensor, at::Tensor> run_shape(const at::Tensor& x, const std::opt
 
 template <bool donated>
 void run_boxed(const c10::OperatorHandle&, torch::jit::Stack* stack) {
-  // Arguments: x, residual (None or Tensor), weight, eps (float, or a 0-dim CPU tensor), group_name.
-  auto args = torch::jit::last(*stack, 5);
+  // Arguments: x, residual (None or Tensor), weight, eps (float, or a 0-dim CPU tensor), group_name,
+  // weight_offset, weight_in_fp32.
+  auto args = torch::jit::last(*stack, 7);
   const at::Tensor x = args[0].toTensor();
   std::optional<at::Tensor> residual;
   if (!args[1].isNone()) residual = args[1].toTensor();
   const at::Tensor weight = args[2].toTensor();
   const double eps = args[3].isTensor() ? args[3].toTensor().item<double>() : args[3].toDouble();
   const std::string group = args[4].toStringRef();
-  torch::jit::drop(*stack, 5);
-  auto [normed, residual_out] = run_shape(x, residual, weight, eps, group, donated);
+  const double weight_offset = args[5].toDouble();
+  const bool weight_in_fp32 = args[6].toBool();
+  torch::jit::drop(*stack, 7);
+  auto [normed, residual_out] = run_shape(x, residual, weight, eps, group, donated, weight_offset, weight_in_fp32);
   stack->emplace_back(std::move(normed));
   stack->emplace_back(std::move(residual_out));
 }
@@ -344,8 +350,8 @@ void install() {
 
 // `fxfuse_native::run`: the same path called directly (tests drive it with CPU tensors).
 std::tuple<at::Tensor, at::Tensor> run(at::Tensor x, std::optional<at::Tensor> residual, at::Tensor weight, double eps,
-                                       std::string group, bool donated) {
-  return run_shape(x, residual, weight, eps, group, donated);
+                                       std::string group, bool donated, double weight_offset, bool weight_in_fp32) {
+  return run_shape(x, residual, weight, eps, group, donated, weight_offset, weight_in_fp32);
 }
 
 }  // namespace
@@ -361,6 +367,7 @@ TORCH_LIBRARY(fxfuse_native, m) {
   m.def("forget(str? group_name) -> ()", &forget);
   m.def("call_counts() -> int[]", &counts);
   m.def("reset_counts() -> ()", &reset_counts);
-  m.def("run(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name, bool x_donated) -> (Tensor, Tensor)",
+  m.def("run(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name, bool x_donated, "
+        "float weight_offset=0., bool weight_in_fp32=False) -> (Tensor, Tensor)",
         &run);
 }

@@ -61,18 +61,20 @@ def register_shape(group_name: str, tokens: int, hidden: int, dtype, weight_dtyp
 
 def offer_norm_kernel(key: tuple, compiled, parameter_types: list[str]) -> None:
     """A newly compiled add-RMSNorm kernel (`fxfuse.op.add_rmsnorm_kernel`'s `key`: device, hidden,
-    has residual, the five tensors' dtypes): the C++ path launches it itself from now on (or from its
-    installation on) if its launch is the plain one (`triton_launch.driver_launch` with
-    `parameter_types`) and its outputs have x's dtype, as the C++ path allocates them. Not while a
-    profiler's Triton launch hooks are installed: those launches must stay visible to it."""
+    has residual, the five tensors' dtypes, weight offset, weight in float32): the C++ path launches it
+    itself from now on (or from its installation on) if it is the plain norm (weight in the dtype, no
+    offset, x's dtype throughout: what the C++ path allocates and runs), and its launch is the plain
+    one (`triton_launch.driver_launch` with `parameter_types`). Not while a profiler's Triton launch
+    hooks are installed: those launches must stay visible to it."""
     _NORM_KERNELS[key] = (compiled, parameter_types)
     if native_installed():
         _register_norm_kernel(key, compiled, parameter_types)
 
 
 def _register_norm_kernel(key: tuple, compiled, parameter_types: list[str]) -> None:
-    device, hidden, has_residual, x_dtype, residual_dtype, weight_dtype, out_dtype, normed_dtype = key
-    if out_dtype != x_dtype or normed_dtype != x_dtype or launch_hooks_installed():
+    device, hidden, has_residual, x_dtype, residual_dtype, weight_dtype, out_dtype, normed_dtype, offset, weight_in_fp32 = key
+    plain = not offset and not weight_in_fp32 and residual_dtype == x_dtype  # the only norm the C++ path runs
+    if not plain or out_dtype != x_dtype or normed_dtype != x_dtype or launch_hooks_installed():
         return
     launch = driver_launch(compiled, parameter_types)
     if launch is not None:

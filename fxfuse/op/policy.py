@@ -68,7 +68,7 @@ class FusionProblem:
     """One call's shape and the group it runs on, as every rank of the group sees it.
 
     `sm` is the compute capability as an integer (90 for 9.0). `residual_dtype` is None when the call
-    has no residual. `trtllm_max_tokens` / `pcie_max_tokens` are the token capacities of the group's
+    has no residual. `weight_offset` is added to the norm weight in float32 (Gemma's `1 + weight`). `trtllm_max_tokens` / `pcie_max_tokens` are the token capacities of the group's
     TensorRT-LLM and PCIe workspaces for this hidden size and dtype (0: none, or creation failed).
     """
 
@@ -83,6 +83,7 @@ class FusionProblem:
     flashinfer: FlashInferFeatures
     trtllm_max_tokens: int = 0
     pcie_max_tokens: int = 0
+    weight_offset: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -99,13 +100,10 @@ class FusionDecision:
 
 
 def _common_unsupported(problem: FusionProblem) -> str | None:
-    """Limits every fused implementation shares: dtypes and 16-byte rows."""
+    """Limits every fused all-reduce shares: the activations' dtype and 16-byte rows (the norm after the
+    PCIe all-reduce is fxfuse's own kernel, which takes a float32 residual or weight too)."""
     if problem.dtype not in SUPPORTED_DTYPES:
         return f"dtype {problem.dtype} not supported (bfloat16 or float16)"
-    if problem.weight_dtype != problem.dtype:
-        return f"norm weight dtype {problem.weight_dtype} differs from activations ({problem.dtype})"
-    if problem.residual_dtype is not None and problem.residual_dtype != problem.dtype:
-        return f"residual dtype {problem.residual_dtype} differs from activations ({problem.dtype})"
     elems_per_access = KERNEL_ACCESS_BYTES // problem.dtype.itemsize
     if problem.hidden_size % elems_per_access:
         return f"hidden size {problem.hidden_size} is not a multiple of {elems_per_access} elements (16 bytes)"
@@ -124,6 +122,12 @@ def trtllm_unsupported(problem: FusionProblem) -> str | None:
     reason = _common_unsupported(problem)
     if reason is not None:
         return reason
+    if problem.weight_dtype != problem.dtype:
+        return f"norm weight dtype {problem.weight_dtype} differs from activations ({problem.dtype})"
+    if problem.residual_dtype is not None and problem.residual_dtype != problem.dtype:
+        return f"residual dtype {problem.residual_dtype} differs from activations ({problem.dtype})"
+    if problem.weight_offset and not problem.flashinfer.trtllm_weight_bias:
+        return f"the norm weight's offset {problem.weight_offset:g} needs flashinfer 0.7.2 (weight_bias), not {problem.flashinfer.version}"
     accesses = problem.hidden_size // (KERNEL_ACCESS_BYTES // problem.dtype.itemsize)
     if accesses > MAX_ACCESSES_PER_TOKEN:
         return f"hidden size {problem.hidden_size} too large for the kernel's launch shape"

@@ -19,6 +19,10 @@ def resolve_group(group_name: str) -> dist.ProcessGroup:
     return _resolve_process_group(group_name)
 
 
+#: The schema of the arguments that say how the weight is applied (`add_rmsnorm`), shared by every fused op.
+NORM_ARGUMENTS = "float weight_offset=0., bool weight_in_fp32=False"
+
+
 def memory_span(t: torch.Tensor) -> tuple[int, int]:
     """The byte addresses [first, end) that `t`'s elements occupy ((0, 0) for an empty tensor)."""
     if t.numel() == 0:
@@ -44,9 +48,10 @@ def writable_in_place(x: torch.Tensor, x_donated: bool, *read_after: torch.Tenso
     return x_donated and x.is_contiguous() and not any(may_overlap(x, t) for t in read_after)
 
 
-def check_arguments(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
-    """Raise ValueError unless x is [..., hidden], residual (if any) has x's shape, dtype and device,
-    and weight is a [hidden] vector of x's dtype on x's device: what every kernel of the op assumes."""
+def check_arguments(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, weight_in_fp32: bool = False) -> None:
+    """Raise ValueError unless x is [..., hidden]; residual (if any) has x's shape and device and x's
+    dtype, or float32 (a float32 residual stream); weight is a [hidden] vector on x's device of x's dtype,
+    or float32 when it is applied in float32: what every kernel of the op assumes."""
     problems = []
     if x.dim() < 1:
         problems.append(f"x must have a hidden dimension, got shape {list(x.shape)}")
@@ -54,9 +59,13 @@ def check_arguments(x: torch.Tensor, residual: torch.Tensor | None, weight: torc
         problems.append(f"weight {list(weight.shape)} must be [hidden] = {list(x.shape[-1:])}")
     if residual is not None and residual.shape != x.shape:
         problems.append(f"residual {list(residual.shape)} must have x's shape {list(x.shape)}")
+    if residual is not None and residual.dtype not in (x.dtype, torch.float32):
+        problems.append(f"residual dtype {residual.dtype} must be x's {x.dtype} or float32")
+    elif residual is not None and residual.dtype != x.dtype and not weight_in_fp32:
+        problems.append(f"a float32 residual with {x.dtype} x needs the weight applied in float32 (weight_in_fp32)")
+    if weight.dtype != x.dtype and not (weight_in_fp32 and weight.dtype == torch.float32):
+        problems.append(f"weight dtype {weight.dtype} must be x's {x.dtype}" + (" or float32" if weight_in_fp32 else ""))
     for name, t in (("residual", residual), ("weight", weight)):
-        if t is not None and t.dtype != x.dtype:
-            problems.append(f"{name} dtype {t.dtype} must be x's {x.dtype}")
         if t is not None and t.device != x.device:
             problems.append(f"{name} is on {t.device}, x on {x.device}")
     if problems:
@@ -64,15 +73,23 @@ def check_arguments(x: torch.Tensor, residual: torch.Tensor | None, weight: torc
 
 
 def add_rmsnorm(
-    reduced: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    reduced: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+    weight_offset: float = 0.0, weight_in_fp32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residual add in the input dtype, then RMSNorm in float32 cast back and scaled by `weight`.
+    """The residual add, then RMSNorm in float32, scaled by the weight, in `reduced`'s dtype.
 
-    Returns `(normed, residual_out)`; `reduced` is the already all-reduced activation. This is the
-    reference arithmetic every kernel of the fused op must reproduce.
+    Returns `(normed, residual_out)`; `reduced` is the already all-reduced activation. The add is in
+    the residual's dtype (`reduced` converted to it first: a float32 residual stream keeps a float32
+    `residual_out`). The weight is applied as transformers' LlamaRMSNorm does (the norm cast back to the
+    dtype, then times the weight in it), or, with `weight_in_fp32`, in float32 before the one cast back
+    (`F.rms_norm`; Gemma's `* (1 + weight.float())` with `weight_offset` 1.0). This is the reference
+    arithmetic every kernel of the fused op must reproduce.
     """
-    residual_out = reduced if residual is None else reduced + residual
+    residual_out = reduced if residual is None else reduced.to(residual.dtype) + residual
     hidden = residual_out.to(torch.float32)
     variance = hidden.pow(2).mean(-1, keepdim=True)
-    normed = (hidden * torch.rsqrt(variance + eps)).to(residual_out.dtype)
-    return weight * normed, residual_out
+    normalized = hidden * torch.rsqrt(variance + eps)
+    if weight_in_fp32:
+        scale = weight.float() + weight_offset if weight_offset else weight.float()
+        return (normalized * scale).to(reduced.dtype), residual_out
+    return weight * normalized.to(residual_out.dtype), residual_out

@@ -1,18 +1,19 @@
 """The fused collective+norm op: `torch.ops.fxfuse.allreduce_residual_rmsnorm`.
 
 Schema (fixed by docs/ARCHITECTURE.md):
-`allreduce_residual_rmsnorm(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name)
--> (Tensor normed, Tensor residual_out)`.
+`allreduce_residual_rmsnorm(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name,
+float weight_offset=0., bool weight_in_fp32=False) -> (Tensor normed, Tensor residual_out)`.
 
-Semantics, with `dtype = x.dtype` (residual and weight have that dtype too; the passes only fuse
-such sites):
+Semantics (`fxfuse.op.reference.add_rmsnorm`), with `dtype = x.dtype`:
 - `reduced = all_reduce_sum(x)` over the process group named `group_name`, in `dtype`;
-- `residual_out = reduced + residual` rounded to `dtype` (just `reduced` when residual is None);
-- `normed = weight * (h * rsqrt(mean(h**2, -1) + eps)).to(dtype)` with `h = residual_out` in
-  float32: the norm runs in float32, is cast back to `dtype`, THEN multiplied by the weight in
-  `dtype` (the Hugging Face transformers order, which the reference model uses). Where the matched
-  model applied the weight in float32 before casting back (`F.rms_norm`), the fused result can differ
-  from the unfused one by one rounding step of `dtype`; in float32 both orders are the same.
+- `residual_out = reduced + residual` in the residual's dtype (`dtype`, or float32 for a float32
+  residual stream: `reduced` is converted first), just `reduced` when residual is None;
+- `normed`, in `dtype`, is the RMSNorm of `h = residual_out` in float32 times the weight: by default in
+  the Hugging Face transformers order `weight * (h * rsqrt(mean(h**2, -1) + eps)).to(dtype)` (cast
+  back, THEN the weight in `dtype`); with `weight_in_fp32`, `((h * rsqrt(...)) * (weight.float() +
+  weight_offset)).to(dtype)`: the weight applied in float32 before the single cast (`F.rms_norm`;
+  Gemma's zero-centred `1 + weight` with `weight_offset` 1.0). A weight or residual of another dtype
+  than x's is float32 and needs `weight_in_fp32`.
 
 Overloads:
 - `tensor_eps` takes `eps` as a 0-dim tensor (read with `float(eps)` when the kernel runs): under
@@ -41,19 +42,19 @@ import functools
 import torch
 import torch.distributed as dist
 
-from fxfuse.op import native_fallback
-from fxfuse.op.group_config import agreed_config
+from fxfuse.op import fp8_schema, native_fallback
+from fxfuse.op.cpu_kernel import allreduce_residual_rmsnorm_cpu
 from fxfuse.op.native_build import load_native_library
-from fxfuse.op.reference import add_rmsnorm, check_arguments, resolve_group, writable_in_place
+from fxfuse.op.reference import NORM_ARGUMENTS, add_rmsnorm, check_arguments
 
 OP_NAME = "fxfuse::allreduce_residual_rmsnorm"
 _RESULTS = "(Tensor normed, Tensor residual_out)"
 #: Overload name -> schema of its arguments.
 OVERLOADS = {
-    "default": "(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name)",
-    "tensor_eps": "(Tensor x, Tensor? residual, Tensor weight, Tensor eps, str group_name)",
-    "donate_x": "(Tensor(a!) x, Tensor? residual, Tensor weight, float eps, str group_name)",
-    "donate_x_tensor_eps": "(Tensor(a!) x, Tensor? residual, Tensor weight, Tensor eps, str group_name)",
+    "default": f"(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name, {NORM_ARGUMENTS})",
+    "tensor_eps": f"(Tensor x, Tensor? residual, Tensor weight, Tensor eps, str group_name, {NORM_ARGUMENTS})",
+    "donate_x": f"(Tensor(a!) x, Tensor? residual, Tensor weight, float eps, str group_name, {NORM_ARGUMENTS})",
+    "donate_x_tensor_eps": f"(Tensor(a!) x, Tensor? residual, Tensor weight, Tensor eps, str group_name, {NORM_ARGUMENTS})",
 }
 
 
@@ -72,27 +73,13 @@ for _overload, _arguments in OVERLOADS.items():
 #: fused add-RMSNorm kernel writing into given outputs (what the C++ fallback launches after its
 #: all-reduce). Their CPU kernels are the reference, so the C++ path is testable on CPU.
 PLANNED_OP = "fxfuse::allreduce_residual_rmsnorm_planned"
-torch.library.define(PLANNED_OP, f"(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name, bool x_donated) -> {_RESULTS}")
+torch.library.define(PLANNED_OP, "(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name, bool x_donated, "
+                                 f"{NORM_ARGUMENTS}) -> {_RESULTS}")
 NORM_INTO_OP = "fxfuse::add_rmsnorm_into"
 torch.library.define(
     NORM_INTO_OP,
     "(Tensor reduced, Tensor? residual, Tensor weight, float eps, Tensor(a!) residual_out, Tensor(b!) normed) -> ()",
 )
-
-
-def _cpu_kernel(x, residual, weight, eps, group_name, x_donated: bool):
-    """Reference: the group's agreement on its first call (so a bad FXFUSE_* setting on any rank is
-    the same error on every rank, on CPU as on CUDA), then a gloo all-reduce (in x itself when
-    donated, contiguous and sharing no memory with the residual or weight), then `add_rmsnorm`."""
-    check_arguments(x, residual, weight)
-    group = resolve_group(group_name)
-    agreed_config(group, x.device)
-    eps = float(eps)
-    in_place = writable_in_place(x, x_donated, residual, weight)
-    reduced = x if in_place else x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)
-    normed, residual_out = add_rmsnorm(reduced, residual, weight, eps)
-    return normed, residual_out.clone() if residual_out is x else residual_out
 
 
 @functools.cache
@@ -111,9 +98,10 @@ def _norm_into_entry():
     return add_rmsnorm_into
 
 
-def _cuda_planned(x, residual, weight, eps, group_name, x_donated):
+def _cuda_planned(x, residual, weight, eps, group_name, x_donated, weight_offset=0.0, weight_in_fp32=False):
     """CUDA kernel of `fxfuse::allreduce_residual_rmsnorm_planned`."""
-    return _cuda_dispatch().allreduce_residual_rmsnorm_cuda(x, residual, weight, eps, group_name, x_donated)
+    return _cuda_dispatch().allreduce_residual_rmsnorm_cuda(x, residual, weight, eps, group_name, x_donated, weight_offset,
+                                                            weight_in_fp32)
 
 
 def _cuda_norm_into(reduced, residual, weight, eps, residual_out, normed):
@@ -128,13 +116,13 @@ def _cpu_norm_into(reduced, residual, weight, eps, residual_out, normed):
     normed.copy_(expected_normed)
 
 
-def _fake_kernel(x, residual, weight, eps, group_name):
-    """Shapes only: both outputs are new tensors shaped and typed like `x` (works with SymInts); the
-    arguments are checked as the real kernels check them."""
-    check_arguments(x, residual, weight)
-    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(
-        x, memory_format=torch.contiguous_format
-    )
+def _fake_kernel(x, residual, weight, eps, group_name, weight_offset=0.0, weight_in_fp32=False):
+    """Shapes only: both outputs are new tensors shaped like `x` (works with SymInts), `normed` of x's
+    dtype, `residual_out` of the residual's; the arguments are checked as the real kernels check them."""
+    check_arguments(x, residual, weight, weight_in_fp32)
+    contiguous = torch.contiguous_format
+    residual_dtype = x.dtype if residual is None else residual.dtype
+    return torch.empty_like(x, memory_format=contiguous), torch.empty_like(x, dtype=residual_dtype, memory_format=contiguous)
 
 
 #: Kernel registrations, held so they live as long as the module (`Library.impl` registers straight
@@ -148,8 +136,8 @@ _python_cuda_kernels: list[torch.library.Library] = []
 def _register_cpu_and_fake(overload: str) -> None:
     donated = overload.startswith("donate_x")
 
-    def cpu(x, residual, weight, eps, group_name):
-        return _cpu_kernel(x, residual, weight, eps, group_name, donated)
+    def cpu(x, residual, weight, eps, group_name, weight_offset=0.0, weight_in_fp32=False):
+        return allreduce_residual_rmsnorm_cpu(x, residual, weight, eps, group_name, donated, weight_offset, weight_in_fp32)
 
     cpu.__doc__ = f"CPU reference kernel of `{OP_NAME}.{overload}`."
     _KERNELS.impl(_overload_name(overload), cpu, "CPU")
@@ -162,8 +150,9 @@ def _register_python_cuda_kernels() -> None:
     for overload in OVERLOADS:
         donated = overload.startswith("donate_x")
 
-        def cuda(x, residual, weight, eps, group_name, donated=donated):
-            return _cuda_dispatch().allreduce_residual_rmsnorm_cuda(x, residual, weight, float(eps), group_name, donated)
+        def cuda(x, residual, weight, eps, group_name, weight_offset=0.0, weight_in_fp32=False, donated=donated):
+            return _cuda_dispatch().allreduce_residual_rmsnorm_cuda(x, residual, weight, float(eps), group_name, donated,
+                                                                    weight_offset, weight_in_fp32)
 
         cuda.__doc__ = f"CUDA kernel of `{OP_NAME}.{overload}`."
         library.impl(_overload_name(overload), cuda, "CUDA")
@@ -190,7 +179,7 @@ def install_native_fallback() -> bool:
 for _overload in OVERLOADS:
     _register_cpu_and_fake(_overload)
 _register_python_cuda_kernels()
-_KERNELS.impl("allreduce_residual_rmsnorm_planned", _cpu_kernel, "CPU")
+_KERNELS.impl("allreduce_residual_rmsnorm_planned", allreduce_residual_rmsnorm_cpu, "CPU")
 _KERNELS.impl("allreduce_residual_rmsnorm_planned", _cuda_planned, "CUDA")
 _KERNELS.impl("add_rmsnorm_into", _cpu_norm_into, "CPU")
 _KERNELS.impl("add_rmsnorm_into", _cuda_norm_into, "CUDA")
@@ -200,10 +189,14 @@ allreduce_residual_rmsnorm = torch.ops.fxfuse.allreduce_residual_rmsnorm.default
 allreduce_residual_rmsnorm_tensor_eps = torch.ops.fxfuse.allreduce_residual_rmsnorm.tensor_eps
 allreduce_residual_rmsnorm_donate_x = torch.ops.fxfuse.allreduce_residual_rmsnorm.donate_x
 allreduce_residual_rmsnorm_donate_x_tensor_eps = torch.ops.fxfuse.allreduce_residual_rmsnorm.donate_x_tensor_eps
-#: The functional overloads, which the passes emit.
-FUSED_OPS = (allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps)
+#: The plain op's functional overloads, which the norm fusion pass emits.
+NORM_OPS = (allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps)
+#: Every functional overload of the fused ops (plain and FP8): their first five arguments are
+#: (x, residual, weight, eps, group_name) alike.
+FUSED_OPS = NORM_OPS + fp8_schema.FP8_OPS
 #: Functional overload -> its donating twin.
 DONATING_TWIN = {
     allreduce_residual_rmsnorm: allreduce_residual_rmsnorm_donate_x,
     allreduce_residual_rmsnorm_tensor_eps: allreduce_residual_rmsnorm_donate_x_tensor_eps,
+    **fp8_schema.FP8_DONATING_TWIN,
 }

@@ -136,8 +136,10 @@ def run_on_ranks(
                     hung[0], f"TimeoutError: rank(s) {hung} still running after {timeout_s:.0f} s",
                 )
             if report is None:
-                codes = {r: p.exitcode for r, p in enumerate(procs)}
-                raise RankFailed(f"a rank exited without reporting a result (exit codes by rank: {codes})")
+                dead = {r: p.exitcode for r, p in enumerate(procs) if not p.is_alive() and r not in results}
+                named = ", ".join(f"rank {r} ({_exit_status(code)})" for r, code in sorted(dead.items()))
+                raise RankFailed(f"{named} ended without reporting a result; the other ranks were stopped",
+                                 min(dead), f"{named} ended without reporting a result")
             rank, ok, payload = report
             if not ok:
                 error, traceback_text = payload

@@ -3,15 +3,15 @@
 `RunOptions` is everything `fxfuse run` takes; its defaults are the built-in job: the tiny preset
 compiled with the fxfuse backend at tp=2 on CPU and checked against the eager model. `prepare_run(options)`
 checks it in the launching process, before any rank starts, and returns a `RunSetup` (the options with
-the CUDA-graph and inner-compiler choices resolved, the model config, where the weights come from) or
-raises `RunError` with a message that names the problem: unknown preset, unreadable or malformed
-checkpoint (its config.json, or its safetensors headers), tp size that does not divide the model (naming
-the sizes that do), CUDA asked where there is none, more GPUs asked than present, bad backend, inner
-compiler or dtype, CUDA graphs or graph widths without CUDA, a step width above 128, a KV cache longer
-than the model allows, a bad FXFUSE_* setting of the fused op, or a memory plan that does not fit the
-GPU (CUDA) or this machine's memory (CPU: every rank shares it). The cheap checks come first and need
-no torch; the settings' thresholds file, the checkpoint headers and the memory plan import it.
-`fxfuse.runner.setup` then builds the model on each rank.
+the CUDA-graph and inner-compiler choices resolved, the model config, where the weights come from; its
+`dynamic_shapes` resolves `--dynamic`) or raises `RunError` with a message that names the problem: unknown
+preset, unreadable or malformed checkpoint (its config.json, or its safetensors headers), tp size that
+does not divide the model (naming the sizes that do), CUDA asked where there is none, more GPUs asked
+than present, bad backend, inner compiler, dtype or dynamic-shapes choice, CUDA graphs or graph widths
+without CUDA, a step width above 128, a KV cache longer than the model allows, a bad FXFUSE_* setting of
+the fused op, or a memory plan that does not fit the GPU (CUDA) or this machine's memory (CPU: every
+rank shares it). The cheap checks come first and need no torch; the settings' thresholds file, the
+checkpoint headers and the memory plan import it. `fxfuse.runner.setup` then builds the model on each rank.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ DEVICES = ("cpu", "cuda")
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128)
 #: Widest step (tokens per sequence) the runner takes, with or without a CUDA graph.
 MAX_STEP_WIDTH = 128
+#: `--dynamic` choices: compile the step for dynamic shapes (on), static shapes (off), or decide (auto).
+DYNAMIC_CHOICES = ("auto", "on", "off")
 #: Above this many parameters, random weights are generated per shard (not as one full state dict).
 FULL_RANDOM_STATE_LIMIT = 500_000_000
 
@@ -69,6 +71,7 @@ class RunOptions:
     cuda_graph: bool | None = None
     graph_widths: tuple[int, ...] | None = None
     weights: str = "bf16"
+    dynamic: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -76,8 +79,8 @@ class RunSetup:
     """A validated run: the resolved options, the model config and where the weights come from.
 
     In `options`, `cuda_graph` is a bool, `graph_widths` the widths that get a CUDA graph, ascending
-    (empty without CUDA graphs) and `inner` the inner compiler of backend fxfuse (None for the other
-    backends), so the summary's copy of the options says what ran.
+    (empty without CUDA graphs), `dynamic` "on" or "off" and `inner` the inner compiler of backend
+    fxfuse (None for the other backends), so the summary's copy of the options says what ran.
     """
 
     options: RunOptions
@@ -98,10 +101,9 @@ class RunSetup:
 
     @property
     def dynamic_shapes(self) -> bool:
-        """Whether the step is compiled for dynamic shapes: where CUDA graphs capture several widths, one
-        graph then serves them all; otherwise the run compiles two static shapes, the prefill and the
-        verify step (faster to compile: the model's einsums trace slowly over symbolic sizes)."""
-        return self.cuda_graph
+        """Whether the step is compiled for dynamic shapes (`options.dynamic`, "on" or "off" once
+        `prepare_run` resolved "auto": see `auto_dynamic`)."""
+        return resolve_dynamic(self.options.dynamic, auto_dynamic(self.options))
 
     @property
     def max_seq_len(self) -> int:
@@ -118,9 +120,28 @@ class RunSetup:
         return o.batch * max(self.graph_widths, default=o.tokens_per_step)
 
 
+def auto_dynamic(options: RunOptions) -> bool:
+    """What `--dynamic auto` means for a run whose CUDA graphs are resolved (`_resolve_graphs`): static
+    shapes (False) when the verify step replays a captured CUDA graph (one compile per captured width,
+    plus the prefill, as engines that capture one graph per width compile: Inductor's code for static
+    shapes is faster) and without CUDA graphs (two shapes, the prefill and the verify step, each
+    compiled once); dynamic shapes (True) when CUDA graphs are captured but not for the verify width,
+    so that one graph serves the captured widths and the uncaptured one."""
+    return bool(options.cuda_graph) and options.tokens_per_step not in options.graph_widths
+
+
+def resolve_dynamic(choice: str, when_auto: bool) -> bool:
+    """The `dynamic` argument of `torch.compile` for a `--dynamic` choice: True for "on", False for
+    "off", `when_auto` (the caller's rule) for "auto"; ValueError for anything else."""
+    if choice not in DYNAMIC_CHOICES:
+        raise ValueError(f"unknown dynamic-shapes choice {choice!r}; choose one of: {', '.join(DYNAMIC_CHOICES)}")
+    return when_auto if choice == "auto" else choice == "on"
+
+
 def prepare_run(options: RunOptions) -> RunSetup:
     """Validate `options` and resolve the model config; raises RunError naming the problem."""
     _check_choice("backend", options.backend, BACKENDS)
+    _check_choice("dynamic-shapes choice", options.dynamic, DYNAMIC_CHOICES)
     _check_choice("compare", options.compare, COMPARE_TARGETS)
     _check_choice("dtype", options.dtype, DTYPE_BYTES)
     _check_choice("device", options.device, DEVICES)
@@ -136,6 +157,8 @@ def prepare_run(options: RunOptions) -> RunSetup:
         raise RunError(f"--tokens must be at most {MAX_STEP_WIDTH} (got {options.tokens_per_step})")
     _check_device(options.device, options.tp)
     options = _resolve_graphs(options)
+    dynamic = resolve_dynamic(options.dynamic, auto_dynamic(options))
+    options = replace(options, dynamic="on" if dynamic else "off")
     if options.backend == "fxfuse":
         options = replace(options, inner=options.inner or DEFAULT_INNER[options.device])
     if bool(options.checkpoint) == bool(options.preset):

@@ -3,7 +3,8 @@ reference arithmetic, and the op on a one-rank NCCL group (where it always takes
 eagerly, donated, and captured in a CUDA graph replayed on fresh input (the first call of a shape
 decided in Python, the later ones run by the C++ fallback, bit for bit the same); plus a block compiled by
 Inductor with the site fused, whose Inductor code donates the producer's buffer, under CUDA graphs;
-and a fused block compiled without `fxfuse.prepare`, for which the backend installs the C++ fallback.
+and a fused block compiled without `fxfuse.prepare`, for which the backend installs the C++ fallback; and
+a small `fxfuse bench fallback` sweep over every quantization kind and both shape modes.
 Run with `pytest -m gpu tests/gpu`."""
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def test_one_rank_nccl_fallback_eager_donated_and_replayed():
 
 def _block_on(group_name: str):
     """`fxfuse bench fallback`'s block (producer, all-reduce, residual add, RMSNorm) on one group."""
-    from fxfuse.bench.fallback import block
+    from fxfuse.bench.fallback_blocks import block
 
     return lambda inp, residual, weight: block(inp, residual, weight, group_name)
 
@@ -199,3 +200,25 @@ def test_the_backend_installs_the_cpp_fallback_when_it_compiles_fused_cuda_sites
     assert not report["installed_before"] and report["installed"] and report["cpp_calls"] == 2, report
     for err_normed, err_residual in report["errors"]:
         assert err_normed < TOLERANCE and err_residual < TOLERANCE, report["errors"]
+
+
+def test_the_fallback_sweep_checks_times_and_records_every_point(tmp_path):
+    """`fxfuse bench fallback` at 2 token counts, hidden 4096, every quantization kind, static and dynamic
+    shapes: every point passes its float32 check, has both timings, and its fxfuse graph fused the site."""
+    import json
+
+    from fxfuse.bench.fallback import main
+
+    argv = ["--tokens", "1,64", "--hidden", "4096", "--repeats", "3", "--iters", "2", "--host-calls", "5",
+            "--out-dir", str(tmp_path)]
+    assert main(argv) == 0
+    (path,) = tmp_path.glob("fallback_*.json")
+    report = json.loads(path.read_text())
+    points = [(r["quant"], r["dynamic"], r["tokens"]) for r in report["rows"]]
+    assert points == [(q, d, t) for q in ("none", "group", "row", "tensor") for d in (False, True) for t in (1, 64)]
+    for row in report["rows"]:
+        assert row["ok"] and row["fused_us"] > 0 and row["inductor_us"] > 0 and row["fusion"]["site_fused"], row
+    graphs = {(f["quant"], f["dynamic"]): len(f["graphs"]) for f in report["fusion"]}
+    assert set(graphs.values()) == {2}  # static: one per token count; dynamic: 1 token, then the rest
+    assert [(h["dynamic"], h["hidden"]) for h in report["host_cost"]] == [(False, 4096), (True, 4096)]
+    assert report["skipped"] == [] and path.with_suffix(".md").exists()

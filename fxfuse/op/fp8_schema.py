@@ -1,0 +1,131 @@
+"""The fused op's FP8 variant: `torch.ops.fxfuse.allreduce_residual_rmsnorm_fp8`.
+
+`allreduce_residual_rmsnorm_fp8(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name,
+str scaling, int group_size, float min_amax, ScalarType scale_dtype, Tensor? static_scale,
+bool return_normed, float weight_offset=0., bool weight_in_fp32=False)
+-> (Tensor quantized, Tensor scales, Tensor residual_out, Tensor normed)`
+
+is `allreduce_residual_rmsnorm` (same first five arguments, same `residual_out`, same `normed`
+arithmetic) followed by the FP8 e4m3 quantization of `normed` that `fxfuse.op.fp8_recipe.Fp8Recipe(
+scaling, group_size, min_amax, scale_dtype)` describes: `quantized` has x's shape, `scales` is
+float32 `[..., groups]` for the dynamic scalings (empty for static ones, whose `static_scale` the
+caller already holds). `normed` itself is returned only when `return_normed` (something else reads
+the bf16 activations); otherwise it is an empty tensor, never written. The fusion pass
+(`fxfuse.passes.fp8_epilogue`) emits it where a quantization reads the norm's output, so that the
+all-reduce, the add, the norm and the quantization run as one op (one kernel after the all-reduce).
+
+Overloads as for the plain op: `tensor_eps` (eps a 0-dim CPU tensor), and the donating twins
+`donate_x` / `donate_x_tensor_eps` (x may be all-reduced in place). The CPU kernel is the reference
+(`fxfuse.op.cpu_kernel` then `fxfuse.op.fp8_recipe.quantize_fp8`); the CUDA kernel is
+`fxfuse.op.cuda_dispatch.allreduce_residual_rmsnorm_fp8_cuda`. Outputs never alias inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from fxfuse.op.cpu_kernel import allreduce_residual_rmsnorm_cpu
+from fxfuse.op.fp8_recipe import FP8_DTYPE, Fp8Recipe, check_fp8_arguments, quantize_fp8, scale_shape
+from fxfuse.op.reference import NORM_ARGUMENTS, check_arguments
+
+FP8_OP_NAME = "fxfuse::allreduce_residual_rmsnorm_fp8"
+_RESULTS = "(Tensor quantized, Tensor scales, Tensor residual_out, Tensor normed)"
+_QUANT_ARGUMENTS = ("str scaling, int group_size, float min_amax, ScalarType scale_dtype, Tensor? static_scale, bool return_normed, "
+                    f"{NORM_ARGUMENTS}")
+#: Overload name -> its arguments' schema.
+FP8_OVERLOADS = {
+    "default": f"(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name, {_QUANT_ARGUMENTS})",
+    "tensor_eps": f"(Tensor x, Tensor? residual, Tensor weight, Tensor eps, str group_name, {_QUANT_ARGUMENTS})",
+    "donate_x": f"(Tensor(a!) x, Tensor? residual, Tensor weight, float eps, str group_name, {_QUANT_ARGUMENTS})",
+    "donate_x_tensor_eps": f"(Tensor(a!) x, Tensor? residual, Tensor weight, Tensor eps, str group_name, {_QUANT_ARGUMENTS})",
+}
+#: Names of the quantization arguments, after the first five.
+QUANT_ARGUMENT_NAMES = ("scaling", "group_size", "min_amax", "scale_dtype", "static_scale", "return_normed")
+
+
+def _qualified(overload: str) -> str:
+    """'allreduce_residual_rmsnorm_fp8[.overload]' (no namespace)."""
+    name = FP8_OP_NAME.removeprefix("fxfuse::")
+    return name if overload == "default" else f"{name}.{overload}"
+
+
+for _overload, _arguments in FP8_OVERLOADS.items():
+    torch.library.define(f"fxfuse::{_qualified(_overload)}", f"{_arguments} -> {_RESULTS}")
+
+
+def _recipe(scaling, group_size, min_amax, scale_dtype) -> Fp8Recipe:
+    return Fp8Recipe(scaling, group_size, min_amax, scale_dtype)
+
+
+def _cpu_fp8_kernel(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale,
+                    return_normed, weight_offset, weight_in_fp32, x_donated: bool):
+    """Reference: the plain op's CPU kernel, then `quantize_fp8` of its normed output."""
+    recipe = _recipe(scaling, group_size, min_amax, scale_dtype)
+    check_fp8_arguments(x.shape, recipe, static_scale, x.device)
+    normed, residual_out = allreduce_residual_rmsnorm_cpu(x, residual, weight, eps, group_name, x_donated, weight_offset,
+                                                          weight_in_fp32)
+    quantized, scales = quantize_fp8(normed, recipe, static_scale)
+    return quantized, scales, residual_out, normed if return_normed else normed.new_empty(0)
+
+
+def _fake_fp8_kernel(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale,
+                     return_normed, weight_offset=0.0, weight_in_fp32=False):
+    """Shapes only (works with SymInts); the arguments are checked as the real kernels check them."""
+    check_arguments(x, residual, weight, weight_in_fp32)
+    recipe = _recipe(scaling, group_size, min_amax, scale_dtype)
+    check_fp8_arguments(x.shape, recipe, static_scale, x.device)
+    contiguous = torch.contiguous_format
+    return (torch.empty_like(x, dtype=FP8_DTYPE, memory_format=contiguous),
+            x.new_empty(scale_shape(x.shape, recipe), dtype=torch.float32),
+            torch.empty_like(x, dtype=x.dtype if residual is None else residual.dtype, memory_format=contiguous),
+            torch.empty_like(x, memory_format=contiguous) if return_normed else x.new_empty(0))
+
+
+@functools.cache
+def _cuda_dispatch():
+    """`fxfuse.op.cuda_dispatch`, imported on the first CUDA call."""
+    from fxfuse.op import cuda_dispatch
+
+    return cuda_dispatch
+
+
+#: Kernel registrations, held so they live as long as the module.
+_KERNELS = torch.library.Library("fxfuse", "IMPL")
+
+
+def _register(overload: str) -> None:
+    donated = overload.startswith("donate_x")
+
+    def cpu(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale, return_normed,
+            weight_offset=0.0, weight_in_fp32=False):
+        return _cpu_fp8_kernel(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype,
+                               static_scale, return_normed, weight_offset, weight_in_fp32, donated)
+
+    def cuda(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale, return_normed,
+             weight_offset=0.0, weight_in_fp32=False):
+        recipe = _recipe(scaling, group_size, min_amax, scale_dtype)
+        return _cuda_dispatch().allreduce_residual_rmsnorm_fp8_cuda(
+            x, residual, weight, float(eps), group_name, recipe, static_scale, return_normed, donated, weight_offset,
+            weight_in_fp32)
+
+    cpu.__doc__ = f"CPU reference kernel of `{FP8_OP_NAME}.{overload}`."
+    cuda.__doc__ = f"CUDA kernel of `{FP8_OP_NAME}.{overload}`."
+    _KERNELS.impl(_qualified(overload), cpu, "CPU")
+    _KERNELS.impl(_qualified(overload), cuda, "CUDA")
+    torch.library.register_fake(f"fxfuse::{_qualified(overload)}", _fake_fp8_kernel)
+
+
+for _overload in FP8_OVERLOADS:
+    _register(_overload)
+
+allreduce_residual_rmsnorm_fp8 = torch.ops.fxfuse.allreduce_residual_rmsnorm_fp8.default
+allreduce_residual_rmsnorm_fp8_tensor_eps = torch.ops.fxfuse.allreduce_residual_rmsnorm_fp8.tensor_eps
+#: The FP8 variant's functional overloads, which the FP8 epilogue pass emits.
+FP8_OPS = (allreduce_residual_rmsnorm_fp8, allreduce_residual_rmsnorm_fp8_tensor_eps)
+#: Functional overload -> its donating twin.
+FP8_DONATING_TWIN = {
+    allreduce_residual_rmsnorm_fp8: torch.ops.fxfuse.allreduce_residual_rmsnorm_fp8.donate_x,
+    allreduce_residual_rmsnorm_fp8_tensor_eps: torch.ops.fxfuse.allreduce_residual_rmsnorm_fp8.donate_x_tensor_eps,
+}
