@@ -41,7 +41,7 @@ from torch._inductor.pattern_matcher import Match, PatternMatcherPass, register_
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxfuse.op.capability import fused_kernel_unavailable
-from fxfuse.op.schema import FUSED_OPS, allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps
+from fxfuse.op.schema import FUSED_OPS, NORM_OPS, allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps
 from fxfuse.passes.canonical_form import canonicalize
 from fxfuse.passes.collective_placement import OriginalPlaces, late_input_refusal
 from fxfuse.passes.config import ALLREDUCE_RESIDUAL_RMSNORM, ALLREDUCE_RMSNORM, PassConfig
@@ -273,7 +273,7 @@ def run(graph: torch.fx.Graph, config: PassConfig) -> int:
     fused = sum(fusion_patterns(group, patterns, config.fuse_without_fast_kernel).apply(graph)
                 for group in sum_allreduce_groups(graph))
     if fused:
-        for op in FUSED_OPS:
+        for op in NORM_OPS:  # what the patterns emit
             for node in list(graph.find_nodes(op="call_function", target=op)):
                 places.restore(graph, node, [node.args[0]], node.args[4])
         stable_topological_sort(graph)

@@ -23,7 +23,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-#: Every choice of a layer with its weight in the draw; the first entry is the plain spelling.
+#: Every choice of a layer with its weight in the draw (the plain spelling is `Layer`'s default).
 LAYER_CHOICES: dict[str, list[tuple[str, int]]] = {
     "reduce": [("funcol", 8), ("inplace", 3), ("flat_view", 2), ("view3d", 2), ("unsqueeze", 1), ("transpose", 1),
                ("merge", 5), ("merge_views", 2), ("merge_other_group", 1), ("merge_alpha", 1), ("merge3", 2),
@@ -66,6 +66,10 @@ class Layer:
     extra: str = "none"
 
 
+#: The plain layer: transformers' RMSNorm after `funcol.all_reduce(x) + residual`.
+PLAIN = Layer()
+
+
 @dataclass(frozen=True)
 class Case:
     """A drawn program: activation dtype, shape, dynamic shapes, inner compilers, layers."""
@@ -102,7 +106,7 @@ def random_case(seed: int, inductor_share: float = 0.0) -> Case:
         for name, choices in LAYER_CHOICES.items():
             allowed = [c for c in choices if index == 0 or (name, c[0]) not in FIRST_LAYER_ONLY]
             plain = rng.random() < PLAIN_SHARE or (index > 0 and name == "residual_source")
-            fields[name] = choices[0][0] if plain else _draw(rng, allowed)
+            fields[name] = getattr(PLAIN, name) if plain else _draw(rng, allowed)
         layers.append(Layer(**fields))
     hidden = rng.choice((16, 32))
     shapes = [(4, hidden), (5, hidden), (2, 3, hidden), (1, hidden)]
