@@ -29,6 +29,7 @@ import fxfuse.post_grad
 from fxfuse.backend import FxfuseBackend
 from fxfuse.fusion_records import CompileRecord, FusionStats, mark_compiled, mark_name, marks_in, record_from_mark, snapshots_dir
 from fxfuse.inspect.graph_diff import GraphSnapshot
+from fxfuse.passes.config import ALLREDUCE_RESIDUAL_RMSNORM, PATTERNS
 from fxfuse.post_grad import FusionPostGradPass
 
 TESTS = Path(__file__).resolve().parent
@@ -56,7 +57,7 @@ print(json.dumps({"records": records, "summary": fusion_summary(backend), "fxfus
 """
 
 
-def compile_in_process(cache: Path, dump_dir: Path, patterns=("merge_allreduce", "allreduce_residual_rmsnorm", "allreduce_rmsnorm")) -> dict:
+def compile_in_process(cache: Path, dump_dir: Path, patterns=PATTERNS) -> dict:
     """Compile the toy decoder with `FxfuseBackend` in a fresh process on the Inductor cache `cache`."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
     done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(list(patterns)), str(dump_dir), str(TESTS)],
@@ -74,7 +75,7 @@ def runs(tmp_path_factory):
     for path in (cache / "fxfuse").glob("*.json"):
         path.unlink()
     results["no_snapshots"] = compile_in_process(cache, root / "dump_no_snapshots")
-    results["other_patterns"] = compile_in_process(cache, root / "dump_other", patterns=("allreduce_residual_rmsnorm",))
+    results["other_patterns"] = compile_in_process(cache, root / "dump_other", patterns=(ALLREDUCE_RESIDUAL_RMSNORM,))
     results["dumps"] = {name: sorted(p.name for p in (root / f"dump_{name}").iterdir()) for name in ("cold", "warm", "no_snapshots")}
     return results
 
