@@ -160,7 +160,6 @@ def add_gemm_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"where result files go (default {DEFAULT_OUT_DIR})")
 
 
-
 def add_compile_arguments(p: argparse.ArgumentParser) -> None:
     """The options of `fxfuse bench compile`."""
     p.add_argument("--models", type=comma_subset(COMPILE_MODELS), default=list(COMPILE_MODELS),
