@@ -11,10 +11,11 @@ the same class. One call of the pass runs, in this order:
    Inductor's re-inplacing, which runs next, completes it.
 
 `uuid()` lets Inductor's FX graph cache and AOTAutograd cache key on the pass: a digest of fxfuse's
-pass sources (`hashed_sources()`), the `PassConfig`, the local facts the fusion pass's compile-time
-capability check reads (FXFUSE_FUSION, the installed FlashInfer version, the GPU arch once CUDA is
-initialized), and the order above; with the user passes' own uuids beside it. It is None (Inductor
-then compiles without its cache, as it would for their pass alone) when a user pass has no uuid.
+pass sources (`hashed_sources()`), the `PassConfig` and the order above, with the user passes' own
+uuids beside it. Nothing of the machine or of the FXFUSE_* settings is in it: the rewrite reads
+neither (its compile-time choices use graph facts only, `fxfuse.op.capability`, so every rank's
+graph is the same; the op decides the rest when it first runs). It is None (Inductor then compiles
+without its cache, as it would for their pass alone) when a user pass has no uuid.
 A cache hit runs no pass; `recording_cache_hits()` turns what Inductor replays into records
 (`fxfuse.fusion_records`).
 """
@@ -38,9 +39,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 import fxfuse.op
 import fxfuse.passes
 from fxfuse.fusion_records import CompileRecord, fused_sites_on_cuda, mark_compiled, marks_in, record_from_mark
-from fxfuse.op.flashinfer_version import installed_version
 from fxfuse.op.schema import install_native_fallback
-from fxfuse.op.settings import current_settings
 from fxfuse.passes import donate_allreduce_input
 from fxfuse.passes.config import PassConfig
 
@@ -139,18 +138,8 @@ def user_passes_of(slot: Any, *, owner: str) -> tuple[GraphPass, ...]:
 
 def fxfuse_digest(config: PassConfig) -> str:
     """Digest of everything that decides what fxfuse's part of the pass does to a graph."""
-    facts = (UUID_FORMAT, sources_digest(hashed_sources()), sorted(config.patterns),
-             config.fuse_without_fast_kernel, capability_facts())
+    facts = (UUID_FORMAT, sources_digest(hashed_sources()), sorted(config.patterns), config.fuse_without_fast_kernel)
     return hashlib.sha256(repr(facts).encode()).hexdigest()
-
-
-def capability_facts() -> tuple[bool, str | None, tuple[int, int] | None]:
-    """The local facts `fxfuse.op.capability` reads when it refuses CUDA sites at compile time: whether
-    FXFUSE_FUSION leaves fusion on, the installed FlashInfer version, and the GPU arch (when CUDA is
-    initialized: a process compiling for CUDA has done so; asking would initialize it in one that
-    compiles for the CPU)."""
-    arch = torch.cuda.get_device_capability() if torch.cuda.is_initialized() else None
-    return current_settings().enabled, installed_version(), arch
 
 
 def hashed_sources() -> tuple[Path, ...]:
