@@ -3,22 +3,29 @@
 `torch.compile(model, backend="fxfuse")` resolves to `fxfuse_backend` through the
 `torch_dynamo_backends` entry point, with no import of fxfuse. A configured `FxfuseBackend` object can
 be passed instead: `torch.compile(model, backend=FxfuseBackend(inner="eager", patterns=...))`.
+`post_grad_pass()` (exported as `fxfuse.post_grad_pass`) gives the same passes to compiles whose
+backend is not fxfuse, as Inductor's `post_grad_custom_post_pass` (`fxfuse.post_grad`).
 
 Data path: dynamo graph -> AOT autograd (functional ATen, Inductor's decompositions) -> the passes
-(`merge_allreduce`, then `allreduce_rmsnorm_fusion`, then `fp8_epilogue`; for Inductor also `donate_allreduce_input`) -> the
-inner compiler. With `inner="inductor"`
-the passes run as Inductor's `post_grad_custom_post_pass`; with `inner="eager"` they run on the AOT
-forward graph after the clean-ups Inductor does before that point, and the graph then runs as is. Every pass run is recorded on the backend object (`records`): the graph before and after, and
-`FusionStats`. The same numbers are also summed into `torch._dynamo.utils.counters["fxfuse"]`, the
-only view of compiles made through the `backend="fxfuse"` entry point. The rewrite depends only on
-the graph, so every rank makes the same decisions.
+(`merge_allreduce`, then `allreduce_rmsnorm_fusion`, then `fp8_epilogue`; for Inductor also
+`donate_allreduce_input`) -> the
+inner compiler. With `inner="inductor"` the passes run as Inductor's `post_grad_custom_post_pass`
+(`fxfuse.post_grad.FusionPostGradPass`, after any pass the user had put in that slot), whose uuid lets
+Inductor's FX graph cache and AOTAutograd cache serve the compile; with `inner="eager"` they run on the
+AOT forward graph after the clean-ups Inductor does before that point, and the graph then runs as is.
+Every compiled graph is recorded on the backend object (`records`): the graph before and after, and
+`FusionStats`, also for graphs Inductor loaded from its caches, where the passes did not run
+(`fxfuse.fusion_records` says how). The same numbers are also summed into
+`torch._dynamo.utils.counters["fxfuse"]`, the only view of compiles made through the
+`backend="fxfuse"` entry point. The rewrite depends only on the graph, so every rank makes the same
+decisions.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,95 +33,17 @@ import torch
 import torch.distributed as dist
 import torch.fx
 from torch._dynamo.utils import counters
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from fxfuse.inspect.graph_diff import GraphSnapshot, render_diff, snapshot
-from fxfuse.op.fp8_schema import FP8_OPS
-from fxfuse.op.schema import FUSED_OPS, install_native_fallback
-from fxfuse.passes import allreduce_rmsnorm_fusion, donate_allreduce_input, fp8_epilogue, merge_allreduce
+from fxfuse.fusion_records import CompileRecord, FusionStats, fused_sites_on_cuda, fusion_stats
+from fxfuse.inspect.graph_diff import snapshot
+from fxfuse.op.schema import install_native_fallback
+from fxfuse.passes import allreduce_rmsnorm_fusion, fp8_epilogue, merge_allreduce
 from fxfuse.passes.config import PATTERNS, PassConfig
+from fxfuse.post_grad import FusionPostGradPass, user_passes_of
+
+__all__ = ["CompileRecord", "FusionStats", "FxfuseBackend", "fusion_summary", "fxfuse_backend", "post_grad_pass"]
 
 INNER_COMPILERS = ("inductor", "eager")
-ALL_REDUCE_OP = "_c10d_functional.all_reduce"
-
-
-@dataclass(frozen=True)
-class FusionStats:
-    """What one pass run found and did.
-
-    `allreduces_before`/`allreduces_after`: all-reduce nodes in the graph before/after the passes;
-    `merged`: pairs merged by pattern 3; `fused_with_residual`/`fused_without_residual`: fused-op
-    sites of pattern 1/2 in the rewritten graph; `fp8_quantizations_folded`: those of them that also
-    quantize their normed output to FP8 (the FP8 epilogue).
-    """
-
-    allreduces_before: int
-    merged: int
-    fused_with_residual: int
-    fused_without_residual: int
-    allreduces_after: int
-    fp8_quantizations_folded: int = 0
-
-    @property
-    def fused(self) -> int:
-        """All fused sites (patterns 1 and 2)."""
-        return self.fused_with_residual + self.fused_without_residual
-
-
-@dataclass(frozen=True)
-class CompileRecord:
-    """One pass run: the graph before and after, and its stats."""
-
-    before: GraphSnapshot
-    after: GraphSnapshot
-    stats: FusionStats
-
-    def diff(self) -> str:
-        """Readable diff of the graph before and after the passes."""
-        return render_diff(self.before, self.after)
-
-
-def fusion_stats(graph: torch.fx.Graph, before: GraphSnapshot, after: GraphSnapshot, merged: int) -> FusionStats:
-    """Stats of one pass run from the snapshots around it and the rewritten graph."""
-    fused_sites = [node for op in FUSED_OPS for node in graph.find_nodes(op="call_function", target=op)]
-    without_residual = sum(1 for node in fused_sites if node.args[1] is None)
-    return FusionStats(
-        allreduces_before=before.op_counts[ALL_REDUCE_OP],
-        merged=merged,
-        fused_with_residual=len(fused_sites) - without_residual,
-        fused_without_residual=without_residual,
-        allreduces_after=after.op_counts[ALL_REDUCE_OP],
-        fp8_quantizations_folded=sum(len(graph.find_nodes(op="call_function", target=op)) for op in FP8_OPS),
-    )
-
-
-def fused_sites_on_cuda(graph: torch.fx.Graph) -> bool:
-    """Whether a fused op of the rewritten graph takes a CUDA tensor (from the nodes' fake values)."""
-    for op in FUSED_OPS:
-        for node in graph.find_nodes(op="call_function", target=op):
-            value = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
-            if isinstance(value, torch.Tensor) and value.device.type == "cuda":
-                return True
-    return False
-
-
-class _PostGradFusionPass(CustomGraphPass):
-    """The fxfuse rewrite as Inductor's `post_grad_custom_post_pass`, then the donation of each fused
-    op's input (`fxfuse.passes.donate_allreduce_input`), which Inductor's re-inplacing pass completes.
-
-    `uuid()` is None, which turns Inductor's FX graph cache off for graphs compiled with it: a cache
-    hit would skip the pass, so nothing would be recorded for that compile.
-    """
-
-    def __init__(self, rewrite: Callable[[torch.fx.Graph], None]) -> None:
-        self._rewrite = rewrite
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        self._rewrite(graph)
-        donate_allreduce_input.run(graph)
-
-    def uuid(self) -> None:
-        return None
 
 
 class FxfuseBackend:
@@ -125,8 +54,10 @@ class FxfuseBackend:
     dump_dir: if set, each pass run writes `graph_<n>[_rank<r>].{before,after,diff}.txt` there.
     fuse_without_fast_kernel: also fuse CUDA sites where no fused all-reduce kernel can run (by default
     Inductor keeps those, see `fxfuse.op.capability`; the op's fallback benchmarks turn this on).
-    After compiling, `records` holds one `CompileRecord` per pass run, in order. With Inductor, the
-    passes take the `post_grad_custom_post_pass` slot of Inductor's config for these compiles.
+    After compiling, `records` holds one `CompileRecord` per compiled graph, in order (`from_cache`
+    for those Inductor loaded from its caches). With Inductor, the passes take the
+    `post_grad_custom_post_pass` slot of Inductor's config for these compiles and run the pass that was
+    there first.
     """
 
     def __init__(
@@ -146,11 +77,13 @@ class FxfuseBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         """Compile a dynamo graph: AOT autograd, the fusion passes, then the inner compiler."""
         if self.inner == "inductor":
+            from torch._inductor import config as inductor_config
             from torch._inductor.compile_fx import compile_fx
 
-            return compile_fx(
-                gm, example_inputs, config_patches={"post_grad_custom_post_pass": _PostGradFusionPass(self.rewrite)}
-            )
+            slot = inductor_config.post_grad_custom_post_pass
+            fusion = FusionPostGradPass(self, user_passes_of(slot, owner="post_grad_custom_post_pass"))
+            with fusion.recording_cache_hits():
+                return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": fusion})
         from torch._dynamo.backends.common import aot_autograd
         from torch._inductor.decomposition import select_decomp_table
 
@@ -184,22 +117,28 @@ class FxfuseBackend:
         allreduce_rmsnorm_fusion.run(graph, self.config)
         fp8_epilogue.run(graph, self.config)
         after = snapshot(graph, previous=before)
-        record = CompileRecord(before=before, after=after, stats=fusion_stats(graph, before, after, merged))
-        self.records.append(record)
         if fused_sites_on_cuda(graph):
             install_native_fallback()  # the fused op's C++ fallback, before the graph first runs
+        self.add_record(CompileRecord(before=before, after=after, stats=fusion_stats(graph, before, after, merged)))
+
+    def add_record(self, record: CompileRecord) -> None:
+        """Keep the record of a compiled graph: append it to `records`, add its stats to
+        `counters["fxfuse"]`, and dump it if `dump_dir` is set."""
+        self.records.append(record)
         for name, value in asdict(record.stats).items():
             counters["fxfuse"][name] += value
         if self.dump_dir is not None:
             self._dump(record, len(self.records) - 1)
 
     def _dump(self, record: CompileRecord, index: int) -> None:
-        """Write the record's graphs and diff under `dump_dir` (one file set per rank)."""
+        """Write the record's graphs and diff under `dump_dir` (one file set per rank; only the diff file,
+        with the stats, for a graph loaded from Inductor's cache without its snapshots)."""
         self.dump_dir.mkdir(parents=True, exist_ok=True)
         rank = f"_rank{dist.get_rank()}" if dist.is_initialized() else ""
         stem = f"graph_{index:03d}{rank}"
-        (self.dump_dir / f"{stem}.before.txt").write_text(record.before.text())
-        (self.dump_dir / f"{stem}.after.txt").write_text(record.after.text())
+        if record.before is not None and record.after is not None:
+            (self.dump_dir / f"{stem}.before.txt").write_text(record.before.text())
+            (self.dump_dir / f"{stem}.after.txt").write_text(record.after.text())
         (self.dump_dir / f"{stem}.diff.txt").write_text(f"{record.stats}\n\n{record.diff()}")
 
 
@@ -207,8 +146,9 @@ def fusion_summary(backend: FxfuseBackend) -> dict[str, int | None]:
     """What the pass did to the graph a run last compiled: the runner's JSON fields.
 
     `allreduce_sites`: all-reduces in that graph before the passes; `fused_sites`: fused ops after
-    them; `merged`: all-reduce pairs merged first; `graphs_compiled`: pass runs so far (one per
-    compiled graph: with fullgraph=True, one per compile, e.g. a width-1 step compiled apart).
+    them; `merged`: all-reduce pairs merged first; `graphs_compiled`: graphs compiled so far, the
+    passes run or loaded from Inductor's caches (with fullgraph=True, one per compile, e.g. a width-1
+    step compiled apart).
     The counts are None before anything was compiled. The last graph, not a sum over compiles: each
     compile is the whole model again, so summing would count every site once per compile.
     """
@@ -226,3 +166,22 @@ def fusion_summary(backend: FxfuseBackend) -> dict[str, int | None]:
 def fxfuse_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
     """The `backend="fxfuse"` entry point: `FxfuseBackend()` with defaults (Inductor, all patterns)."""
     return FxfuseBackend()(gm, example_inputs)
+
+
+def post_grad_pass(
+    user_pass: Any = None,
+    *,
+    patterns: Iterable[str] = PATTERNS,
+    fuse_without_fast_kernel: bool = False,
+    dump_dir: str | os.PathLike | None = None,
+) -> FusionPostGradPass:
+    """fxfuse's passes as an Inductor custom pass, for `torch._inductor.config.post_grad_custom_post_pass`.
+
+    `user_pass`: what that slot held before (None, a pass, or a list of passes): it runs first, then
+    merge and fusion, then the donation of each fused op's input (`fxfuse.post_grad`). The other
+    options are `FxfuseBackend`'s. The pass's `records` lists the graphs it rewrote; wrap a compile in
+    `with fusion.recording_cache_hits():` to also record those Inductor loads from its caches.
+    """
+    backend = FxfuseBackend(inner="inductor", patterns=patterns, dump_dir=dump_dir,
+                            fuse_without_fast_kernel=fuse_without_fast_kernel)
+    return FusionPostGradPass(backend, user_passes_of(user_pass, owner="fxfuse.post_grad_pass"))

@@ -244,6 +244,8 @@ BENCHMARKS = {
                  "add_fallback_arguments"),
     "gemm": ("fxfuse.bench.quant_gemm", "quantized FP8 / INT4 GEMMs vs bf16 at DeepSeek-V3 / Kimi-K2.5 shapes, one GPU (CUDA)",
              "add_gemm_arguments"),
+    "compile": ("fxfuse.bench.compile_time", "cold and warm compile time, Inductor vs fxfuse: Inductor's caches (CPU)",
+                "add_compile_arguments"),
 }
 
 

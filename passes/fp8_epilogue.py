@@ -8,7 +8,7 @@ fuse that quantization into the norm's kernel, so this pass (run after the fusio
 if something else reads it). It recognizes, in the post-grad graph, these spellings of the
 quantization of the normed value `n` (an `Fp8Recipe`, `fxfuse.op.fp8_recipe`):
 - dynamic per group or per row: `x = n.float()` (optionally viewed as `[..., groups, group]`, the
-  last dimension split), `amax(abs(...))` over the last dimension (of `x`, or of `n` itself: the
+  last dimension split, maybe zero-padded to a multiple of the group first and sliced back after), `amax(abs(...))` over the last dimension (of `x`, or of `n` itself: the
   scale is then computed in the activation dtype, as torchao does, and cast to float32), an optional
   `clamp_min` of the maximum, `/ 448`, then `x / scale` (the scale unsqueezed or kept with keepdim),
   an optional clamp to +-448, `.to(float8_e4m3fn)` and an optional view back: this project's
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 from torch._guards import detect_fake_mode
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxfuse.op.fp8_recipe import FP8_DTYPE, FP8_MAX, Fp8Recipe
 from fxfuse.op.fp8_schema import allreduce_residual_rmsnorm_fp8, allreduce_residual_rmsnorm_fp8_tensor_eps
@@ -43,6 +44,8 @@ CLAMP = aten.clamp.default
 CLAMP_MIN = aten.clamp_min.default
 CLAMP_MAX = aten.clamp_max.default
 UNSQUEEZE = aten.unsqueeze.default
+PAD = aten.constant_pad_nd.default
+SLICE = aten.slice.Tensor
 RESHAPES = (VIEW, aten.reshape.default, aten._unsafe_view.default)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 #: Node meta key holding why a fused site's FP8 quantization was left out.
@@ -58,6 +61,7 @@ class Fp8Match:
     scale: torch.fx.Node | None  # the float32 scale value the graph reads (dynamic scalings)
     static_scale: torch.fx.Node | None
     inner: set  # nodes only the quantization uses (erased after the rewrite)
+    divisor: torch.fx.Node | None = None  # a 0-dim CPU tensor the dynamic scale divides by (None: 448)
 
 
 class NotFused(Exception):
@@ -176,8 +180,7 @@ def _dynamic(divided: torch.fx.Node, normed: torch.fx.Node, final: torch.fx.Node
     if is_call(scale, CAST) and scale.args[1] == torch.float32:  # scale computed in the activation dtype (torchao)
         scale = scale.args[0]
         scale_dtype = val(scale).dtype
-    if not is_call(scale, DIV) or not isinstance(scale.args[1], (int, float)) or float(scale.args[1]) != FP8_MAX:
-        raise NotFused(f"the FP8 scale `{getattr(scale, 'name', scale)}` is not the group maximum divided by 448")
+    divisor = _scale_divisor(scale, inner)
     inner.add(scale)
     amax, min_amax = scale.args[0], 0.0
     if is_call(amax, CLAMP_MIN) or is_call(amax, CLAMP):
@@ -202,18 +205,59 @@ def _dynamic(divided: torch.fx.Node, normed: torch.fx.Node, final: torch.fx.Node
     refusal = recipe.refusal(hidden)
     if refusal is not None:
         raise NotFused(refusal)
-    return Fp8Match(recipe, _view_back(final, inner), scale_value, None, inner)
+    return Fp8Match(recipe, _view_back(final, inner), scale_value, None, inner, divisor)
+
+
+def _scale_divisor(scale, inner: set) -> torch.fx.Node | None:
+    """What the group maximum is divided by: 448 (None), or a 0-dim CPU float tensor node (dynamo made the
+    constant a graph input under `dynamic=True`: its value is read when the op runs)."""
+    if not is_call(scale, DIV):
+        raise NotFused(f"the FP8 scale `{getattr(scale, 'name', scale)}` is not the group maximum divided by a constant")
+    divisor = scale.args[1]
+    if isinstance(divisor, (int, float)):
+        if float(divisor) != FP8_MAX:
+            raise NotFused(f"the FP8 scale `{scale.name}` divides the group maximum by {divisor}, not 448")
+        return None
+    if is_call(divisor, CAST) and divisor.args[1] == torch.float32 and len(divisor.users) == 1:
+        inner.add(divisor)
+        divisor = divisor.args[0]
+    value = val(divisor)
+    if value is None or value.dim() != 0 or value.device.type != "cpu" or not value.is_floating_point():
+        raise NotFused(f"the FP8 scale `{scale.name}` divides by `{getattr(divisor, 'name', divisor)}`, not by a constant")
+    return divisor
 
 
 def _ungrouped(node, inner: set) -> tuple:
-    """(value, group size) of `node` = a view of value splitting its last dimension into groups (None: not grouped)."""
-    if any(is_call(node, r) for r in RESHAPES):
-        source, shape = node.args[0], val(node).shape
-        hidden = val(source).shape[-1] if val(source) is not None else None
-        if isinstance(shape[-1], int) and isinstance(hidden, int) and hidden % shape[-1] == 0:
-            inner.add(node)
-            return source, (shape[-1] if shape[-1] < hidden else None)
-    return node, None
+    """(value, group size) of `node` = a view of value that splits its last dimension into groups of a
+    constant size (None: not grouped; the whole row is one group), maybe of value zero-padded at the
+    end of its rows first (a last, partial group). The view must keep the leading dimensions (its groups
+    then lie within rows) or the row width must be a known multiple of the group."""
+    if not any(is_call(node, r) for r in RESHAPES):
+        return node, None
+    source, shape = _unpadded(node.args[0], inner), val(node).shape
+    source_shape = val(source).shape if val(source) is not None else None
+    sizes = node.args[1] if len(node.args) > 1 else None
+    group = sizes[-1] if isinstance(sizes, (list, tuple)) and isinstance(sizes[-1], int) and sizes[-1] > 0 else shape[-1]
+    if source_shape is None or not isinstance(group, int):
+        return node, None
+    hidden = source_shape[-1]
+    keeps_rows = len(shape) == len(source_shape) + 1 and all(
+        statically_known_true(a == b) for a, b in zip(shape[:-2], source_shape[:-1]))
+    if not (keeps_rows or statically_known_true(hidden % group == 0)):
+        raise NotFused(f"`{node.name}` groups the flattened rows by {group}, and the row width {hidden} is not known to be "
+                       f"a multiple of {group} (a group could span two rows)")
+    inner.add(node)
+    return source, (None if statically_known_true(hidden == group) else group)
+
+
+def _unpadded(node, inner: set):
+    """The value a `constant_pad_nd(value, [0, p], 0)` pads with zeros at the end of its last dimension
+    (F.pad up to a multiple of the group), or `node` itself."""
+    if is_call(node, PAD) and list(node.args[1][:1]) == [0] and len(node.args[1]) == 2 and \
+            float(node.args[2] if len(node.args) > 2 else 0.0) == 0.0:
+        inner.add(node)
+        return node.args[0]
+    return node
 
 
 def _strip_reshapes(node, targets, inner: set):
@@ -224,11 +268,18 @@ def _strip_reshapes(node, targets, inner: set):
 
 
 def _view_back(final: torch.fx.Node, inner: set) -> torch.fx.Node:
-    """The e4m3 value as the graph uses it: a single reshape of `final` back to the row shape, or `final`."""
+    """The e4m3 value as the graph uses it: a single reshape of `final` back to rows (and a slice of a
+    padded row back to its width), or `final`."""
     users = list(final.users)
     if len(users) == 1 and any(is_call(users[0], r) for r in RESHAPES):
         inner.add(final)
-        return users[0]
+        view = users[0]
+        slices = list(view.users)
+        if len(slices) == 1 and is_call(slices[0], SLICE) and slices[0].args[1] in (-1, val(view).dim() - 1) and \
+                slices[0].args[2] == 0:
+            inner.add(view)
+            return slices[0]
+        return view
     return final
 
 
@@ -272,7 +323,10 @@ def _rewrite(graph: torch.fx.Graph, fused: torch.fx.Node, normed: torch.fx.Node,
     match.inner.update(u for u in normed.users if u not in others)
     return_normed = bool(others)
     op = allreduce_residual_rmsnorm_fp8_tensor_eps if fused.target is allreduce_residual_rmsnorm_tensor_eps else allreduce_residual_rmsnorm_fp8
-    args = (*fused.args[:5], recipe.scaling, recipe.group_size, recipe.min_amax, recipe.scale_dtype, static_scale, return_normed)
+    norm = [fused.args[i] if len(fused.args) > i else fused.kwargs.get(name, default)
+            for i, name, default in ((5, "weight_offset", 0.0), (6, "weight_in_fp32", False))]
+    args = (*fused.args[:5], recipe.scaling, recipe.group_size, recipe.min_amax, recipe.scale_dtype, static_scale, return_normed,
+            *norm, match.divisor)
     new = _emit(graph, op, args, before=fused, meta_from=fused)
     outputs = [_emit(graph, operator.getitem, (new, i), before=fused, meta_from=fused) for i in range(4)]
     quantized, scales, residual_out, new_normed = outputs

@@ -105,10 +105,11 @@ class FakeTrtllmKernels:
         if self.fail.get("init") == self.rank:
             raise RuntimeError(f"trtllm_lamport_initialize failed on rank {self.rank}")
 
-    def allreduce_residual_rmsnorm(self, workspace, x, residual, weight, eps, norm_out, residual_out, oneshot) -> None:
+    def allreduce_residual_rmsnorm(self, workspace, x, residual, weight, eps, norm_out, residual_out, oneshot,
+                                   weight_offset=0.0) -> None:
         summed = x.clone()
         dist.all_reduce(summed, group=workspace.group)
-        normed, added = add_rmsnorm(summed, residual, weight, eps)
+        normed, added = add_rmsnorm(summed, residual, weight, eps, weight_offset, bool(weight_offset))
         norm_out.copy_(normed)
         residual_out.copy_(added)
 

@@ -168,7 +168,7 @@ def _scenario(ctx, name: str, tmp: str, env_everywhere: dict[str, str]) -> tuple
     with patched(*_fake_machine(ctx.rank, ctx.world_size, kernels), *patches), _env({**env_everywhere, **env}):
         try:
             normed, residual_out = cuda_dispatch.allreduce_residual_rmsnorm_cuda(x, residual, weight, 1e-6, group.group_name)
-            plan = cuda_dispatch._PLANS[(group.group_name, TOKENS, HIDDEN, x.dtype, x.dtype, x.dtype)]
+            plan = cuda_dispatch._PLANS[cuda_dispatch.plan_key(group.group_name, x, residual, weight)]
             outcome = ("plan", type(plan).__name__, plan.decision.mode.value, plan.decision.reason, normed, residual_out)
         except Exception as exc:  # noqa: BLE001 - the outcome under test
             outcome = ("raise", type(exc).__name__, str(exc))

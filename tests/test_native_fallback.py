@@ -192,7 +192,8 @@ def test_the_backend_installs_it_while_inductor_compiles(native_cache, tmp_path)
     """The pass installs the C++ fallback from inside Inductor's compile (fake tensors active) when the
     graph has fused CUDA sites; the CPU graph itself (not CUDA: the pass's own check says False) still
     computes what the unfused block does."""
-    done = subprocess.run([sys.executable, "-c", _COMPILE_AND_REPORT], env={**os.environ, "STORE": str(tmp_path / "store")},
-                          capture_output=True, text=True, timeout=600)
+    # a fresh Inductor cache: a hit would load the compiled graph without running the pass under test
+    env = {**os.environ, "STORE": str(tmp_path / "store"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_AND_REPORT], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[-2] == "1 [False] True"

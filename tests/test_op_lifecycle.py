@@ -90,7 +90,7 @@ def _reuse_on_rank(ctx, store: str):
             x = torch.randn(2, HIDDEN, generator=torch.Generator().manual_seed(3)).half()
             normed, residual_out = cuda_dispatch.allreduce_residual_rmsnorm_cuda(x, None, torch.ones(HIDDEN).half(), 1e-6,
                                                                                  new.group_name)
-            plan = cuda_dispatch._PLANS[(new.group_name, 2, HIDDEN, torch.float16, torch.float16, None)]
+            plan = cuda_dispatch._PLANS[cuda_dispatch.plan_key(new.group_name, x, None, torch.ones(HIDDEN).half())]
             out["new"] = (new.group_name, type(plan).__name__, plan.decision.reason, cuda_dispatch.group_config(new).world_size)
             out["values"] = (x, normed, residual_out)
             out["old_workspace_retired"] = old_workspace in [w.handle for w in cuda_dispatch.TRTLLM.retired()]
@@ -109,7 +109,8 @@ def _plan_after_call(group, rank):
     from fxfuse.op import cuda_dispatch
 
     _first_call(group, rank)
-    return cuda_dispatch._PLANS[(group.group_name, 2, HIDDEN, torch.float16, torch.float16, None)]
+    like = torch.empty(2, HIDDEN, dtype=torch.float16)
+    return cuda_dispatch._PLANS[cuda_dispatch.plan_key(group.group_name, like, None, like[0])]
 
 
 @pytest.mark.slow
@@ -239,7 +240,8 @@ def test_a_corrupt_cached_library_is_rebuilt(tmp_path):
 
 
 @pytest.mark.parametrize("residual_dtype, weight_dtype, weight_shape, match", [
-    (torch.float32, torch.bfloat16, (8,), "residual dtype torch.float32 must be x's torch.bfloat16"),
+    (torch.float16, torch.bfloat16, (8,), "residual dtype torch.float16 must be x's torch.bfloat16 or float32"),
+    (torch.float32, torch.bfloat16, (8,), "a float32 residual with torch.bfloat16 x needs the weight applied in float32"),
     (torch.bfloat16, torch.float32, (8,), "weight dtype torch.float32 must be x's torch.bfloat16"),
     (torch.bfloat16, torch.bfloat16, (1, 8), r"weight \[1, 8\] must be \[hidden\] = \[8\]"),
 ])

@@ -1,7 +1,8 @@
-"""The options of `fxfuse bench model`, `kernel`, `fallback` and `gemm`, with their defaults; imports no torch.
+"""The options of `fxfuse bench model`, `kernel`, `fallback`, `gemm` and `compile`, with their defaults; imports
+no torch.
 
-`add_model_arguments(parser)`, `add_kernel_arguments(parser)`, `add_fallback_arguments(parser)` and
-`add_gemm_arguments(parser)` declare each benchmark's options
+`add_model_arguments(parser)`, `add_kernel_arguments(parser)`, `add_fallback_arguments(parser)`,
+`add_gemm_arguments(parser)` and `add_compile_arguments(parser)` declare each benchmark's options
 (the `fxfuse` command and each benchmark's own `python -m` entry share them), so `--help` and
 unknown options are answered before torch is imported. Options whose default depends on the machine
 (`--preset`, `--layers`, `--context` of the model benchmark) default to None and are resolved by
@@ -23,6 +24,8 @@ GEMM_DESCRIPTION = ("The quantized GEMMs (FP8 block-scaled, INT4 experts) agains
                     "shapes, one GPU (CUDA).")
 FALLBACK_DESCRIPTION = ("The fused op's NCCL fallback against the unfused graph Inductor compiles, with or without an "
                         "FP8 quantization after the norm, static and dynamic shapes, one GPU, one-rank NCCL group (CUDA).")
+COMPILE_DESCRIPTION = ("Cold and warm compile time (a fresh Inductor cache, then a second process on the same cache) "
+                       "of a model step with plain Inductor and with fxfuse, on the CPU.")
 
 #: Model benchmark defaults: step widths, batch sizes, the preset per device, layers, KV-cache length.
 DEFAULT_TOKENS = (1, 4, 16, 64)
@@ -46,6 +49,11 @@ QUANT_GROUP = 128
 #: GEMM benchmark defaults: decode, verify and small-prefill token counts; both parts.
 DEFAULT_GEMM_TOKENS = (1, 8, 64, 256)
 GEMM_PARTS = ("dense", "experts")
+#: Compile benchmark: the models (tiny at tp=2, DeepSeek-V3 widths at tp=8), the backends, their defaults.
+COMPILE_MODELS = ("tiny", "deepseek-v3")
+COMPILE_BACKENDS = ("inductor", "fxfuse")
+DEFAULT_COMPILE_LAYERS = 4
+DEFAULT_COMPILE_REPEATS = 3
 #: The kernel benchmark's variants, in table order (their report titles: `fxfuse.bench.kernel_report.VARIANTS`).
 KERNEL_VARIANTS = ("fused-oneshot", "fused-twoshot", "pcie", "fallback", "nccl+inductor")
 
@@ -179,3 +187,18 @@ def add_gemm_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR,
                    help=OUT_DIR_HELP)
 
+
+def add_compile_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `fxfuse bench compile`."""
+    p.add_argument("--models", type=comma_subset(COMPILE_MODELS), default=list(COMPILE_MODELS),
+                   help=f"comma-separated models, of {', '.join(COMPILE_MODELS)} (default both)")
+    p.add_argument("--backends", type=comma_subset(COMPILE_BACKENDS), default=list(COMPILE_BACKENDS),
+                   help=f"comma-separated backends, of {', '.join(COMPILE_BACKENDS)} (default both)")
+    p.add_argument("--layers", type=at_least(1), default=DEFAULT_COMPILE_LAYERS,
+                   help=f"decoder layers of each model (default {DEFAULT_COMPILE_LAYERS})")
+    p.add_argument("--repeats", type=at_least(1), default=DEFAULT_COMPILE_REPEATS,
+                   help=f"cold + warm pairs per model and backend, each on a fresh cache; medians are reported "
+                        f"(default {DEFAULT_COMPILE_REPEATS})")
+    p.add_argument("--compile-threads", type=at_least(1), default=None,
+                   help="Inductor's compile_threads (default: Inductor's own choice for this machine)")
+    p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR, help=OUT_DIR_HELP)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from fxfuse.op.add_rmsnorm_fp8_kernel import add_rmsnorm_fp8_into, quantize_fp8_into
 from fxfuse.op.add_rmsnorm_kernel import add_rmsnorm_into
 from fxfuse.op.agreement import LocalSteps, RankStepFailed, agreed_failure
-from fxfuse.op.fp8_recipe import FP8_DTYPE, Fp8Recipe, check_fp8_arguments, scale_shape
+from fxfuse.op.fp8_recipe import FP8_DTYPE, FP8_MAX, Fp8Recipe, check_fp8_arguments, scale_shape
 from fxfuse.op.group_config import GroupConfig, agreed_config, forget_group, when_group_forgotten
 from fxfuse.op.modes import FusionMode
 from fxfuse.op.native_fallback import calls_by_reason, forget_shapes, native_installed, register_shape, reset_counts
@@ -144,19 +144,21 @@ class Fp8Epilogue:
     recipe: Fp8Recipe
     static_scale: torch.Tensor | None
     return_normed: bool
+    divisor: float = FP8_MAX
 
     def run(self, reduced, residual, weight, eps, residual_out, norm: tuple) -> tuple:
         """The add, norm (`norm`: weight offset, weight in float32) and quantization of all-reduced
         `reduced` in one kernel: (quantized, scales, residual_out, normed or an empty tensor)."""
         quantized, scales, normed = self.outputs(reduced)
         add_rmsnorm_fp8_into(reduced, None if residual is None else aligned(residual), aligned(weight), eps, self.recipe,
-                             self.static_scale, residual_out, normed if self.return_normed else None, quantized, scales, *norm)
+                             self.static_scale, residual_out, normed if self.return_normed else None, quantized, scales, *norm,
+                             divisor=self.divisor)
         return quantized, scales, residual_out, normed
 
     def quantize(self, normed) -> tuple:
         """(quantized, scales, normed or an empty tensor) of an already normed output."""
         quantized, scales, _ = self.outputs(normed)
-        quantize_fp8_into(normed, self.recipe, self.static_scale, quantized, scales)
+        quantize_fp8_into(normed, self.recipe, self.static_scale, quantized, scales, self.divisor)
         return quantized, scales, normed if self.return_normed else normed.new_empty(0)
 
     def outputs(self, like: torch.Tensor) -> tuple:
@@ -201,7 +203,9 @@ class NcclPlan(CallPlan):
 @dataclass
 class TrtllmPlan(CallPlan):
     """FlashInfer's TensorRT-LLM kernel: all-reduce, residual add and RMSNorm in one launch (the FP8
-    variant then quantizes its norm output in one more kernel)."""
+    variant then quantizes its norm output in one more kernel: FlashInfer's own FP8 pattern multiplies
+    the norm by an approximate reciprocal of the scale, which rounds some values to another code than
+    the division the unfused code does)."""
 
     workspace: FusionWorkspace | None = None
 
@@ -220,28 +224,9 @@ class TrtllmPlan(CallPlan):
         return normed.view(x.shape), residual_out.view(x.shape)
 
     def fp8(self, x, residual, weight, eps, x_donated, epilogue: Fp8Epilogue, norm: tuple = PLAIN_NORM):
-        if epilogue.recipe.scaling == "static_div":  # the kernel's own FP8 pattern: x / scale, scale on the GPU
-            return self._static_fp8(x, residual, weight, eps, epilogue, norm)
         normed, residual_out = self(x, residual, weight, eps, x_donated, norm)
         quantized, scales, normed = epilogue.quantize(normed)
         return quantized, scales, residual_out, normed
-
-    def _static_fp8(self, x, residual, weight, eps, epilogue: Fp8Epilogue, norm: tuple):
-        """All-reduce, add, norm and the static quantization in the one FlashInfer launch."""
-        hidden = x.shape[-1]
-        x2d = aligned(x.reshape(-1, hidden))
-        handle = self.workspace.handle
-        residual2d = handle.zero_residual_for(x2d.shape[0]) if residual is None else aligned(residual.reshape(-1, hidden))
-        quantized, scales, normed = epilogue.outputs(x2d)
-        residual_out = torch.empty_like(x2d)
-        TRTLLM.note_use(self.workspace)
-        TRTLLM.kernels.allreduce_residual_rmsnorm(
-            handle, x2d, residual2d, aligned(weight), eps, normed if epilogue.return_normed else None, residual_out,
-            oneshot=self.decision.mode is FusionMode.ONESHOT, quant_out=quantized, scale_factor=epilogue.static_scale,
-            weight_offset=norm[0],
-        )
-        self.count(hidden, x.dtype)
-        return quantized.view(x.shape), scales, residual_out.view(x.shape), normed.view(x.shape) if normed.numel() else normed
 
 
 @dataclass
@@ -438,25 +423,29 @@ def allreduce_residual_rmsnorm_cuda(
     `x_donated`: the caller allows x's memory to be overwritten (the `donate_x` overloads).
     """
     check_arguments(x, residual, weight, weight_in_fp32)
-    hidden = x.shape[-1]
     norm = (weight_offset, weight_in_fp32)
+    return _plan_for(plan_key(group_name, x, residual, weight, norm), group_name)(x, residual, weight, eps, x_donated, norm)
+
+
+def plan_key(group_name: str, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+             norm: tuple = PLAIN_NORM, recipe: Fp8Recipe | None = None) -> PlanKey:
+    """The key a call's plan is cached under (`PlanKey`)."""
+    hidden = x.shape[-1]
     key = (group_name, x.numel() // hidden if hidden else 0, hidden, x.dtype, weight.dtype,
            None if residual is None else residual.dtype, *norm)
-    return _plan_for(key, group_name)(x, residual, weight, eps, x_donated, norm)
+    return key if recipe is None else (*key, recipe)
 
 
 def allreduce_residual_rmsnorm_fp8_cuda(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, group_name: str, recipe: Fp8Recipe,
     static_scale: torch.Tensor | None, return_normed: bool, x_donated: bool = False, weight_offset: float = 0.0,
-    weight_in_fp32: bool = False,
+    weight_in_fp32: bool = False, divisor: float = FP8_MAX,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The FP8 variant on CUDA tensors (`fxfuse.op.fp8_schema`): the same plans, with the quantization
     after the norm; (quantized, scales, residual_out, normed or an empty tensor)."""
     check_arguments(x, residual, weight, weight_in_fp32)
     check_fp8_arguments(x.shape, recipe, static_scale, x.device)
-    hidden = x.shape[-1]
     norm = (weight_offset, weight_in_fp32)
-    key = (group_name, x.numel() // hidden if hidden else 0, hidden, x.dtype, weight.dtype,
-           None if residual is None else residual.dtype, *norm, recipe)
-    epilogue = Fp8Epilogue(recipe, static_scale, return_normed)
-    return _plan_for(key, group_name).fp8(x, residual, weight, eps, x_donated, epilogue, norm)
+    epilogue = Fp8Epilogue(recipe, static_scale, return_normed, divisor)
+    plan = _plan_for(plan_key(group_name, x, residual, weight, norm, recipe), group_name)
+    return plan.fp8(x, residual, weight, eps, x_donated, epilogue, norm)

@@ -5,7 +5,9 @@ fusion pass (`fxfuse.passes.fp8_epilogue`) folds such a quantization into the fu
 (`fxfuse::allreduce_residual_rmsnorm_fp8`), described by an `Fp8Recipe` that records everything the
 unfused code's rounding depends on:
 - `per_group`: per token and group of `group_size` consecutive values (DeepSeek-V3's block-FP8
-  activations, group 128): `scale = max(amax(|x|), min_amax) / 448`, `q = e4m3(clamp(x / scale))`,
+  activations, group 128; a last, partial group as zero padding makes it): `scale = max(amax(|x|), min_amax) / 448`, `q = e4m3(clamp(x / scale))`
+  (clamped to +-448; the divisor 448 is the op's `scale_divisor` argument, a graph value when
+  `torch.compile(dynamic=True)` made the constant one),
   scales `[..., hidden / group_size]`;
 - `per_row`: the same over the whole row (torchao's dynamic PerRow), scales `[..., 1]`;
 - `static_mul` / `static_div`: one calibrated float32 scale tensor: `q = e4m3(clamp(x * s))` or
@@ -49,18 +51,18 @@ class Fp8Recipe:
         """Whether the scales are computed from the values (per group or row), not given."""
         return self.scaling in DYNAMIC_SCALINGS
 
-    def groups(self, hidden: int) -> int:
-        """Scales per row: hidden / group_size for per_group, 1 for per_row, 0 for static scalings."""
+    def groups(self, hidden):
+        """Scales per row: ceil(hidden / group_size) for per_group (a last, partial group counts its
+        values only, as zero padding does), 1 for per_row, 0 for static scalings."""
         if self.scaling == "per_group":
-            return hidden // self.group_size
+            return -(-hidden // self.group_size)
         return 1 if self.scaling == "per_row" else 0
 
-    def refusal(self, hidden: int) -> str | None:
-        """Why the fused op cannot quantize rows of `hidden` values this way; None if it can."""
+    def refusal(self, hidden) -> str | None:
+        """Why the fused op cannot quantize rows of `hidden` values this way; None if it can (a symbolic
+        `hidden` is checked when the op runs)."""
         if self.scaling == "per_group" and self.group_size & (self.group_size - 1):
             return f"the FP8 group size {self.group_size} is not a power of two"
-        if self.scaling == "per_group" and hidden % self.group_size:
-            return f"hidden size {hidden} is not a multiple of the FP8 group size {self.group_size}"
         if self.dynamic and self.scale_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return f"the FP8 scale is computed in {self.scale_dtype}"
         return None
@@ -88,20 +90,24 @@ def scale_shape(normed_shape: torch.Size, recipe: Fp8Recipe) -> list:
     return [*normed_shape[:-1], recipe.groups(normed_shape[-1])] if recipe.dynamic else [0]
 
 
-def quantize_fp8(normed: torch.Tensor, recipe: Fp8Recipe, static_scale: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 values shaped like `normed`, float32 scales of `scale_shape`) in the recipe's arithmetic."""
+def quantize_fp8(normed: torch.Tensor, recipe: Fp8Recipe, static_scale: torch.Tensor | None = None,
+                 divisor: float = FP8_MAX) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values shaped like `normed`, float32 scales of `scale_shape`) in the recipe's arithmetic;
+    a dynamic scale is `amax / divisor` (448, unless the graph divides by another value: under
+    `torch.compile(dynamic=True)` dynamo passes a Python float such as 448 in as a graph input)."""
     x = normed.float()
     if not recipe.dynamic:
         scaled = x * static_scale if recipe.scaling == "static_mul" else x / static_scale
         return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), x.new_empty(0)
     hidden = normed.shape[-1]
     size = recipe.group_size if recipe.scaling == "per_group" else hidden
-    grouped_shape = (*normed.shape[:-1], hidden // size, size)
+    padding = (-hidden) % size  # a partial last group, zero padded (zeros change no maximum)
+    grouped_shape = (*normed.shape[:-1], (hidden + padding) // size, size)
     source = x if recipe.scale_dtype == torch.float32 else normed.to(recipe.scale_dtype)
-    amax = source.view(grouped_shape).abs().amax(-1)
+    amax = torch.nn.functional.pad(source, (0, padding)).view(grouped_shape).abs().amax(-1)
     if recipe.min_amax:
         amax = amax.clamp_min(recipe.min_amax)
-    scale = (amax / FP8_MAX).float()
-    quantized = (x.view(grouped_shape) / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return quantized.view(normed.shape), scale
+    scale = (amax / divisor).float()
+    grouped = torch.nn.functional.pad(x, (0, padding)).view(grouped_shape)
+    quantized = (grouped / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return quantized.view(*normed.shape[:-1], hidden + padding)[..., :hidden], scale

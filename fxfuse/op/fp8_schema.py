@@ -2,14 +2,15 @@
 
 `allreduce_residual_rmsnorm_fp8(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name,
 str scaling, int group_size, float min_amax, ScalarType scale_dtype, Tensor? static_scale,
-bool return_normed, float weight_offset=0., bool weight_in_fp32=False)
+bool return_normed, float weight_offset=0., bool weight_in_fp32=False, Tensor? scale_divisor=None)
 -> (Tensor quantized, Tensor scales, Tensor residual_out, Tensor normed)`
 
 is `allreduce_residual_rmsnorm` (same first five arguments, same `residual_out`, same `normed`
 arithmetic) followed by the FP8 e4m3 quantization of `normed` that `fxfuse.op.fp8_recipe.Fp8Recipe(
 scaling, group_size, min_amax, scale_dtype)` describes: `quantized` has x's shape, `scales` is
 float32 `[..., groups]` for the dynamic scalings (empty for static ones, whose `static_scale` the
-caller already holds). `normed` itself is returned only when `return_normed` (something else reads
+caller already holds); a dynamic scale is the group maximum over `scale_divisor` (448 when None; a
+0-dim CPU tensor where `torch.compile(dynamic=True)` made the constant a graph input). `normed` itself is returned only when `return_normed` (something else reads
 the bf16 activations); otherwise it is an empty tensor, never written. The fusion pass
 (`fxfuse.passes.fp8_epilogue`) emits it where a quantization reads the norm's output, so that the
 all-reduce, the add, the norm and the quantization run as one op (one kernel after the all-reduce).
@@ -27,13 +28,13 @@ import functools
 import torch
 
 from fxfuse.op.cpu_kernel import allreduce_residual_rmsnorm_cpu
-from fxfuse.op.fp8_recipe import FP8_DTYPE, Fp8Recipe, check_fp8_arguments, quantize_fp8, scale_shape
+from fxfuse.op.fp8_recipe import FP8_DTYPE, FP8_MAX, Fp8Recipe, check_fp8_arguments, quantize_fp8, scale_shape
 from fxfuse.op.reference import NORM_ARGUMENTS, check_arguments
 
 FP8_OP_NAME = "fxfuse::allreduce_residual_rmsnorm_fp8"
 _RESULTS = "(Tensor quantized, Tensor scales, Tensor residual_out, Tensor normed)"
 _QUANT_ARGUMENTS = ("str scaling, int group_size, float min_amax, ScalarType scale_dtype, Tensor? static_scale, bool return_normed, "
-                    f"{NORM_ARGUMENTS}")
+                    f"{NORM_ARGUMENTS}, Tensor? scale_divisor=None")
 #: Overload name -> its arguments' schema.
 FP8_OVERLOADS = {
     "default": f"(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name, {_QUANT_ARGUMENTS})",
@@ -59,19 +60,24 @@ def _recipe(scaling, group_size, min_amax, scale_dtype) -> Fp8Recipe:
     return Fp8Recipe(scaling, group_size, min_amax, scale_dtype)
 
 
+def scale_divisor_value(scale_divisor: torch.Tensor | None) -> float:
+    """The dynamic scale's divisor: 448, or the value of the 0-dim CPU tensor the graph divides by."""
+    return FP8_MAX if scale_divisor is None else float(scale_divisor)
+
+
 def _cpu_fp8_kernel(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale,
-                    return_normed, weight_offset, weight_in_fp32, x_donated: bool):
+                    return_normed, weight_offset, weight_in_fp32, scale_divisor, x_donated: bool):
     """Reference: the plain op's CPU kernel, then `quantize_fp8` of its normed output."""
     recipe = _recipe(scaling, group_size, min_amax, scale_dtype)
     check_fp8_arguments(x.shape, recipe, static_scale, x.device)
     normed, residual_out = allreduce_residual_rmsnorm_cpu(x, residual, weight, eps, group_name, x_donated, weight_offset,
                                                           weight_in_fp32)
-    quantized, scales = quantize_fp8(normed, recipe, static_scale)
+    quantized, scales = quantize_fp8(normed, recipe, static_scale, scale_divisor_value(scale_divisor))
     return quantized, scales, residual_out, normed if return_normed else normed.new_empty(0)
 
 
 def _fake_fp8_kernel(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale,
-                     return_normed, weight_offset=0.0, weight_in_fp32=False):
+                     return_normed, weight_offset=0.0, weight_in_fp32=False, scale_divisor=None):
     """Shapes only (works with SymInts); the arguments are checked as the real kernels check them."""
     check_arguments(x, residual, weight, weight_in_fp32)
     recipe = _recipe(scaling, group_size, min_amax, scale_dtype)
@@ -99,16 +105,16 @@ def _register(overload: str) -> None:
     donated = overload.startswith("donate_x")
 
     def cpu(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale, return_normed,
-            weight_offset=0.0, weight_in_fp32=False):
+            weight_offset=0.0, weight_in_fp32=False, scale_divisor=None):
         return _cpu_fp8_kernel(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype,
-                               static_scale, return_normed, weight_offset, weight_in_fp32, donated)
+                               static_scale, return_normed, weight_offset, weight_in_fp32, scale_divisor, donated)
 
     def cuda(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale, return_normed,
-             weight_offset=0.0, weight_in_fp32=False):
+             weight_offset=0.0, weight_in_fp32=False, scale_divisor=None):
         recipe = _recipe(scaling, group_size, min_amax, scale_dtype)
         return _cuda_dispatch().allreduce_residual_rmsnorm_fp8_cuda(
             x, residual, weight, float(eps), group_name, recipe, static_scale, return_normed, donated, weight_offset,
-            weight_in_fp32)
+            weight_in_fp32, scale_divisor_value(scale_divisor))
 
     cpu.__doc__ = f"CPU reference kernel of `{FP8_OP_NAME}.{overload}`."
     cuda.__doc__ = f"CUDA kernel of `{FP8_OP_NAME}.{overload}`."

@@ -1,9 +1,8 @@
 """FlashInfer's TensorRT-LLM all-reduce + residual + RMSNorm kernel, on a workspace fxfuse builds itself.
 
 `TrtllmFusionKernels` imports FlashInfer only in `load()` (the CUDA path; CPU code never imports
-it) and launches `flashinfer.comm.trtllm_allreduce_fusion` with pattern kARResidualRMSNorm (or, for a static FP8
-quantization of the norm, kARResidualRMSNormFP8Quant / kARResidualRMSNormOutFP8Quant) and fp32
-accumulation, never the unified API (its backend "auto" may pick "mnnvl", NVLink multicast, which
+it) and launches `flashinfer.comm.trtllm_allreduce_fusion` with pattern kARResidualRMSNorm and fp32 accumulation,
+never the unified API (its backend "auto" may pick "mnnvl", NVLink multicast, which
 must not run on shared machines).
 
 The workspace is built here, in the layout FlashInfer's `trtllm_create_ipc_workspace_for_all_reduce_fusion`
@@ -184,30 +183,19 @@ class TrtllmFusionKernels:
         residual: torch.Tensor,
         weight: torch.Tensor,
         eps: float,
-        norm_out: torch.Tensor | None,
+        norm_out: torch.Tensor,
         residual_out: torch.Tensor,
         oneshot: bool,
-        quant_out: torch.Tensor | None = None,
-        scale_factor: torch.Tensor | None = None,
         weight_offset: float = 0.0,
     ) -> None:
         """Launch the fused kernel on [tokens, hidden] contiguous, 16-byte aligned tensors.
 
         residual_out = sum over ranks of x + residual; norm_out = rmsnorm(residual_out) * weight,
-        summed in fp32. With `quant_out` (e4m3) and `scale_factor` (one float32 on the GPU, the
-        dequantization scale) it also writes `quant_out = e4m3(norm_out / scale_factor)`, computed by
-        the kernel as the bf16 norm times its approximate reciprocal of the scale, saturated to +-448
-        (pattern kARResidualRMSNormOutFP8Quant, or kARResidualRMSNormFP8Quant when `norm_out` is None:
-        the norm is then not written). A `weight_offset` is added to the weight in float32 (FlashInfer's
+        summed in fp32. A `weight_offset` is added to the weight in float32 (FlashInfer's
         `weight_bias`, from 0.7.2; the policy picks this kernel for such sites only there). Safe inside
         CUDA-graph capture (no allocation, no host sync).
         """
         num_tokens, hidden_size = x.shape
-        patterns = self._comm.AllReduceFusionPattern
-        if quant_out is None:
-            pattern = patterns.kARResidualRMSNorm
-        else:
-            pattern = patterns.kARResidualRMSNormFP8Quant if norm_out is None else patterns.kARResidualRMSNormOutFP8Quant
         fusion = getattr(self._comm.trtllm_allreduce_fusion, "__wrapped__", self._comm.trtllm_allreduce_fusion)
         fusion(
             allreduce_in=x,
@@ -219,17 +207,17 @@ class TrtllmFusionKernels:
             launch_with_pdl=False,
             trigger_completion_at_end=False,
             fp32_acc=True,
-            pattern_code=pattern,
+            pattern_code=self._comm.AllReduceFusionPattern.kARResidualRMSNorm,
             use_oneshot=oneshot,
             allreduce_out=None,
             residual_in=residual,
             residual_out=residual_out,
             norm_out=norm_out,
-            quant_out=quant_out,
+            quant_out=None,
             scale_out=None,
             rms_gamma=weight,
             rms_eps=float(eps),
-            scale_factor=scale_factor,
+            scale_factor=None,
             layout_code=None,
             **({"weight_bias": float(weight_offset)} if weight_offset else {}),
         )

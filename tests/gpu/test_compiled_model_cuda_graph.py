@@ -117,9 +117,9 @@ def capture_and_compare(ctx, case: str, inner: str, path: str) -> dict:
     calls = []
     entry = cuda_dispatch.allreduce_residual_rmsnorm_cuda
 
-    def spy(x, residual, weight, eps, group_name, x_donated=False):
-        out = entry(x, residual, weight, eps, group_name, x_donated)
-        key = (group_name, x.numel() // x.shape[-1], x.shape[-1], x.dtype, weight.dtype, None if residual is None else residual.dtype)
+    def spy(x, residual, weight, eps, group_name, x_donated=False, *norm):
+        out = entry(x, residual, weight, eps, group_name, x_donated, *norm)
+        key = cuda_dispatch.plan_key(group_name, x, residual, weight, tuple(norm) or cuda_dispatch.PLAIN_NORM)
         calls.append({"capturing": torch.cuda.is_current_stream_capturing(), "residual": residual is not None,
                       "tokens": key[1], "plan": type(cuda_dispatch._PLANS[key]).__name__})
         return out

@@ -48,7 +48,7 @@ def test_direct_launch_matches_the_jit_launch_and_skips_misaligned_pointers():
     from fxfuse.op.reference import add_rmsnorm
 
     hidden, dtype = 3072, torch.bfloat16
-    key = (torch.cuda.current_device(), hidden, True) + (dtype,) * 5
+    key = (torch.cuda.current_device(), hidden, True) + (dtype,) * 5 + (0.0, False)  # the plain norm
     kernel._DIRECT.pop(key, None)
     g = torch.Generator(device="cuda").manual_seed(5)
     x, residual = (torch.randn(9, hidden, device="cuda", generator=g).to(dtype) for _ in range(2))

@@ -202,4 +202,6 @@ def test_creation_failing_on_one_rank_falls_back_on_every_rank():
     for report in reports:
         assert report["ready"] is False and report["failure"] and ok(report["errors"])
         assert report["stats"]["fused"] == {} and sum(report["stats"]["fallback"].values()) == 1
-    assert "MiB free" in reports[1]["failure"] and "another rank" in reports[0]["failure"]
+    # every rank records the same reason, naming the rank and the step that failed
+    assert reports[0]["failure"] == reports[1]["failure"] and "rank 1, checking free GPU memory" in reports[0]["failure"]
+    assert "MiB free" in reports[0]["failure"]

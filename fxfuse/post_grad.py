@@ -1,0 +1,164 @@
+"""fxfuse's passes as an Inductor custom post-grad pass, for compiles whose backend is not fxfuse.
+
+`fxfuse.post_grad_pass()` (made in `fxfuse.backend`) returns a `FusionPostGradPass` for
+`torch._inductor.config.post_grad_custom_post_pass`: `backend="inductor"`, `mode="max-autotune"`, or a
+framework whose own backend calls Inductor then fuse exactly as `backend="fxfuse"` does, which uses
+the same class. One call of the pass runs, in this order:
+1. the passes that were already in that slot (given as `user_pass`), each as Inductor would have
+   run it: they see the graph Inductor's own passes left, as without fxfuse;
+2. fxfuse's merge and fusion passes (`FxfuseBackend.rewrite`: recorded, counted, dumped);
+3. the donation of each fused op's input (`fxfuse.passes.donate_allreduce_input`), last, so that
+   Inductor's re-inplacing, which runs next, completes it.
+
+`uuid()` lets Inductor's FX graph cache and AOTAutograd cache key on the pass: a digest of fxfuse's
+pass sources (`hashed_sources()`), the `PassConfig` and the order above, with the user passes' own
+uuids beside it. Nothing of the machine or of the FXFUSE_* settings is in it: the rewrite reads
+neither (its compile-time choices use graph facts only, `fxfuse.op.capability`, so every rank's
+graph is the same; the op decides the rest when it first runs). It is None (Inductor then compiles
+without its cache, as it would for their pass alone) when a user pass has no uuid.
+A cache hit runs no pass; `recording_cache_hits()` turns what Inductor replays into records
+(`fxfuse.fusion_records`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.fx
+from torch._dynamo.utils import counters
+from torch._inductor import custom_graph_pass
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import fxfuse.op
+import fxfuse.passes
+from fxfuse.fusion_records import CompileRecord, fused_sites_on_cuda, mark_compiled, marks_in, record_from_mark
+from fxfuse.op.schema import install_native_fallback
+from fxfuse.passes import donate_allreduce_input
+from fxfuse.passes.config import PassConfig
+
+#: Inductor (torch >= 2.12) hands passes of this kind `is_inference`; older releases call `pass_(graph)`.
+_INFERENCE_AWARE = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", None)
+#: Bumped when what the uuid covers changes meaning (the order of the passes, say).
+UUID_FORMAT = "fxfuse-post-grad-1: user passes, then merge + fusion, then donation"
+
+GraphPass = Callable[[torch.fx.Graph], None]
+
+
+class Recorder(Protocol):
+    """What the pass needs of the object that runs and records the rewrite (an `FxfuseBackend`)."""
+
+    config: PassConfig
+    records: list[CompileRecord]
+
+    def rewrite(self, graph: torch.fx.Graph) -> None: ...
+
+    def add_record(self, record: CompileRecord) -> None: ...
+
+
+class FusionPostGradPass(_INFERENCE_AWARE or CustomGraphPass):
+    """User passes, then fxfuse's rewrite through `recorder`, then donation (see the module docstring).
+
+    `records` (the recorder's) lists the graphs this pass rewrote, and inside `recording_cache_hits()`
+    also those Inductor loaded from its caches.
+    """
+
+    def __init__(self, recorder: Recorder, user_passes: Sequence[GraphPass] = ()) -> None:
+        self.recorder = recorder
+        self.user_passes = tuple(user_passes)
+        self._marks_made: Counter[str] = Counter()
+
+    @property
+    def records(self) -> list[CompileRecord]:
+        """One `CompileRecord` per graph compiled with this pass, in order."""
+        return self.recorder.records
+
+    def __call__(self, graph: torch.fx.Graph, is_inference: bool | None = None) -> None:
+        """Run the user passes, fxfuse's rewrite and the donation on a post-grad graph, in place."""
+        for user_pass in self.user_passes:
+            if _INFERENCE_AWARE is not None and isinstance(user_pass, _INFERENCE_AWARE):
+                user_pass(graph, is_inference=is_inference)
+            else:
+                user_pass(graph)
+        recorded = len(self.recorder.records)
+        self.recorder.rewrite(graph)
+        on_cuda = fused_sites_on_cuda(graph)
+        for record in self.recorder.records[recorded:]:
+            self._marks_made[mark_compiled(record, on_cuda)] += 1
+        donate_allreduce_input.run(graph)
+
+    def uuid(self) -> tuple[str, tuple[Any, ...]] | None:
+        """fxfuse's digest and the user passes' uuids; None if a user pass has none (no caching)."""
+        user = tuple(p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.user_passes)
+        if any(u is None for u in user):
+            return None
+        return fxfuse_digest(self.recorder.config), user
+
+    @contextlib.contextmanager
+    def recording_cache_hits(self) -> Iterator[None]:
+        """Inside: graphs Inductor loads from its caches (where this pass does not run) are recorded
+        too, from the marks their compile left (`fxfuse.fusion_records`), and the C++ fallback is
+        installed for those with fused CUDA sites, as a run of the pass would."""
+        seen, made = counters["inductor"].copy(), self._marks_made.copy()
+        try:
+            yield
+        finally:
+            loaded = marks_in(counters["inductor"] - seen) - (self._marks_made - made)
+            for name in loaded.elements():
+                record, on_cuda = record_from_mark(name)
+                self.recorder.add_record(record)
+                if on_cuda and record.stats.fused:
+                    install_native_fallback()
+
+
+def user_passes_of(slot: Any, *, owner: str) -> tuple[GraphPass, ...]:
+    """The passes held by a `post_grad_custom_post_pass` value (None, a pass, or a list or tuple of
+    passes); a `FusionPostGradPass` stands for the user passes it wraps. Raises TypeError naming
+    `owner` for anything that is not a pass."""
+    if slot is None:
+        return ()
+    if isinstance(slot, FusionPostGradPass):
+        return slot.user_passes
+    passes = tuple(slot) if isinstance(slot, (list, tuple)) else (slot,)
+    for user_pass in passes:
+        if not callable(user_pass) or isinstance(user_pass, FusionPostGradPass):
+            raise TypeError(f"{owner}: a user pass must be a callable on a torch.fx.Graph (or a CustomGraphPass), "
+                            f"not {type(user_pass).__name__}")
+    return passes
+
+
+# ---------------------------------------------------------------- what the uuid covers
+
+
+def fxfuse_digest(config: PassConfig) -> str:
+    """Digest of everything that decides what fxfuse's part of the pass does to a graph."""
+    facts = (UUID_FORMAT, sources_digest(hashed_sources()), sorted(config.patterns), config.fuse_without_fast_kernel)
+    return hashlib.sha256(repr(facts).encode()).hexdigest()
+
+
+def hashed_sources() -> tuple[Path, ...]:
+    """The source files behind fxfuse's part of the pass: every module of `fxfuse.passes` and
+    `fxfuse.op` (the op's schema and the compile-time checks), the backend, this module, the records
+    and the graph snapshots."""
+    here = Path(__file__).resolve().parent
+    packages = (Path(fxfuse.passes.__file__).resolve().parent, Path(fxfuse.op.__file__).resolve().parent)
+    modules = [here / name for name in ("backend.py", "post_grad.py", "fusion_records.py")]
+    modules.append(here / "inspect" / "graph_diff.py")
+    return tuple(sorted({*modules, *(path for package in packages for path in package.glob("*.py"))}))
+
+
+@functools.cache
+def sources_digest(paths: tuple[Path, ...]) -> str:
+    """Digest of the files' contents, each under its folder and file name (the same for any checkout
+    or install of the same sources). Read once per process."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(f"{path.parent.name}/{path.name}\0".encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
