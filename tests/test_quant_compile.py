@@ -4,8 +4,10 @@ The quantized GEMMs trace as single `fxfuse_quant` op nodes (their fake kernels 
 fusion pass still fuses every all-reduce site: 1 (embedding) + 2 per layer = 5 for the two-layer model,
 none left unfused, checked on the backend's stats and the rewritten graph's op counts. Logits over a
 prefill and verify steps of widths 4 and 2 (one dynamic graph; width 1 compiles apart, see
-tests/test_model_fusion.py) match the eager quantized model within 1e-5 (float32). Cases: FP8 (w8a16)
-and INT4 experts, with the eager inner compiler (an Inductor compile of this model takes about two
+tests/test_model_fusion.py) match the eager quantized model within 1e-5 (float32). Cases: FP8 (w8a16),
+FP8 with per-token-group FP8 activations (w8a8: the dense linears' activation quantization is plain ops in
+the graph, tests/test_quant_graph.py, and each linear one `fxfuse_quant::fp8_linear_quantized`) and INT4
+experts, with the eager inner compiler (an Inductor compile of this model takes about two
 minutes on 2 CPU cores; Inductor with the quantized ops runs on the GPU in `fxfuse bench model
 --weights fp8|int4`, scripts/gpu_check_quant.sh, which checks its logits against eager).
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quant_helpers import FP8, INT4, TINY_ALIGNED, float_state
+from quant_helpers import FP8, FP8_W8A8, INT4, TINY_ALIGNED, float_state
 from fxfuse.runner.launch import run_on_ranks
 
 SITES = 1 + 2 * TINY_ALIGNED.num_hidden_layers
@@ -25,6 +27,7 @@ ALL_REDUCE, FUSED = "_c10d_functional.all_reduce", "fxfuse.allreduce_residual_rm
 #: Quantized op nodes per graph: FP8 keeps every projection but kv_b_proj (4 attention + 3 dense-MLP in
 #: layer 0; 4 attention + 3 shared-expert + 1 routed-experts op in layer 1); INT4 the routed experts only.
 QUANT_OPS = {"fp8": ("fxfuse_quant.fp8_linear", 14, "fxfuse_quant.quant_experts", 1),
+             "fp8-w8a8": ("fxfuse_quant.fp8_linear_quantized", 14, "fxfuse_quant.quant_experts", 1),
              "int4": ("fxfuse_quant.fp8_linear", 0, "fxfuse_quant.quant_experts", 1)}
 
 
@@ -67,7 +70,7 @@ def _compile_checks(ctx, cases) -> dict:
     return results
 
 
-CASES = [("fp8", FP8, "eager"), ("int4", INT4, "eager")]
+CASES = [("fp8", FP8, "eager"), ("fp8-w8a8", FP8_W8A8, "eager"), ("int4", INT4, "eager")]
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +81,7 @@ def results():
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [name for name, _, _ in CASES])
 def test_every_site_fused_and_quantized_ops_traced(results, case):
-    fmt = case.split("-")[0]
-    linear_op, linears, experts_op, expert_ops = QUANT_OPS[fmt]
+    linear_op, linears, experts_op, expert_ops = QUANT_OPS[case]
     for rank in results:
         records = rank[case]
         assert len(records["stats"]) == 1  # one graph for every width
