@@ -3,7 +3,11 @@
 Each layer owns only this rank's slice of its weight, tagged with `mark_shard` by the checkpoint
 dimension it is cut along, so the loader can fill it. Given a `QuantScheme` whose format is "fp8",
 a linear keeps its weight as `float8_e4m3fn` with its `weight_scale_inv` block grid (the checkpoint's
-names and layout) and multiplies with `fxfuse_quant::fp8_linear`. Weights are created uninitialized
+names and layout) and multiplies with `fxfuse_quant::fp8_linear` ("w8a16": bf16 activations), or
+("w8a8") quantizes its input per token group in plain torch ops, which torch.compile traces into the
+graph next to the op that produced the input (an RMSNorm, for most), then multiplies with
+`fxfuse_quant::fp8_linear_quantized`. Linears reading one input share one quantization of it
+(`quantize_input`, then `forward(x, quantized)`). Weights are created uninitialized
 (`torch.empty`) and never require grad: this is an inference model that a checkpoint or
 `random_weights` fills. Row-parallel outputs are partial sums; the caller adds them up with its
 one `ctx.all_reduce`, so each block decides where its single reduction happens.
@@ -17,7 +21,8 @@ from torch import nn
 
 from fxfuse.models.fp8 import FP8_DTYPE, scale_shape
 from fxfuse.models.parallel import ParallelContext
-from fxfuse.models.quant.ops import fp8_linear
+from fxfuse.models.quant.act_quant import quantize_linear_input
+from fxfuse.models.quant.ops import fp8_linear, fp8_linear_quantized
 from fxfuse.models.quant.scheme import QuantScheme
 from fxfuse.models.sharding import mark_shard
 
@@ -48,7 +53,8 @@ class QuantizableLinear(nn.Module):
     """y = x W^T for a weight of local shape [out, in] split along checkpoint dim `shard_dim`.
 
     With an FP8 `quant` scheme the weight is FP8 with per-block float32 `weight_scale_inv`; every
-    rank's slice must then cover whole blocks (ValueError otherwise, naming `what`).
+    rank's slice must then cover whole blocks (ValueError otherwise, naming `what`). With the "w8a8" GEMM the
+    input is quantized per token and group of block_k inputs before the GEMM op, outside it.
     """
 
     def __init__(self, out_features: int, in_features: int, shard_dim: int | None, *, world_size: int, what: str,
@@ -69,10 +75,23 @@ class QuantizableLinear(nn.Module):
         self.weight = empty_parameter(local, shard_dim, FP8_DTYPE, device)
         self.weight_scale_inv = empty_parameter(scale_shape(local, self.fp8_block), shard_dim, torch.float32, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """x [..., K] as this linear's w8a8 GEMM reads it: (float8_e4m3fn [M, K], float32 scales [M, K / block_k]),
+        M the rows of x; None for any other format. Give it to every linear of the same scheme that reads x
+        (`forward(x, quantized)`), so x is quantized once."""
+        if self.fp8_block is None or self.fp8_gemm != "w8a8":
+            return None
+        return quantize_linear_input(x.reshape(-1, x.shape[-1]), self.fp8_block[1])
+
+    def forward(self, x: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [..., in] -> [..., out]; `quantized`: x's `quantize_input` (w8a8 only; None: quantized here)."""
         if self.fp8_block is None:
             return F.linear(x, self.weight)
-        return fp8_linear(x, self.weight, self.weight_scale_inv, *self.fp8_block, self.fp8_gemm)
+        if self.fp8_gemm != "w8a8":
+            return fp8_linear(x, self.weight, self.weight_scale_inv, *self.fp8_block)
+        values, scale = quantized if quantized is not None else self.quantize_input(x)
+        out = fp8_linear_quantized(values, scale, self.weight, self.weight_scale_inv, *self.fp8_block, x.dtype)
+        return out.view(*x.shape[:-1], self.weight.shape[0])
 
 
 class ReplicatedLinear(QuantizableLinear):

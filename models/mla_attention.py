@@ -64,12 +64,16 @@ class MLAttention(nn.Module):
         """x [B, T, hidden], positions [B, T], cos/sin [B, T, rope/2] -> partial o_proj output [B, T, hidden]."""
         cfg = self.config
         batch, width, _ = x.shape
-        query = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        shared = self.kv_a_proj_with_mqa.quantize_input(x)  # w8a8: x quantized once for both projections reading it
+        if cfg.q_lora_rank is None:
+            query = self.q_proj(x, shared)
+        else:
+            query = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x, shared)))
         query = query.view(batch, width, self.local_heads, cfg.qk_head_dim)
         query_nope, query_rope = query.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         query_rope = apply_rotary(query_rope, cos.unsqueeze(2), sin.unsqueeze(2), cfg.rope_interleave)
 
-        latent, key_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        latent, key_rope = self.kv_a_proj_with_mqa(x, shared).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         key_rope = apply_rotary(key_rope, cos, sin, cfg.rope_interleave)
         cached_latent, cached_key_rope = self.cache.update(positions, latent, key_rope)

@@ -38,4 +38,5 @@ class ParallelGatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., hidden] (replicated) -> this rank's partial sum [..., hidden]."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        shared = self.gate_proj.quantize_input(x)  # w8a8: x quantized once for gate and up
+        return self.down_proj(F.silu(self.gate_proj(x, shared)) * self.up_proj(x, shared))

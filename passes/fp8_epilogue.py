@@ -7,9 +7,10 @@ fuse that quantization into the norm's kernel, so this pass (run after the fusio
 (`fxfuse.op.fp8_schema`), which returns the e4m3 values and their scales (and the normed output only
 if something else reads it). It recognizes, in the post-grad graph, these spellings of the
 quantization of the normed value `n` (an `Fp8Recipe`, `fxfuse.op.fp8_recipe`):
-- dynamic per group or per row: `x = n.float()` (optionally viewed as `[..., groups, group]`, the
-  last dimension split, maybe zero-padded to a multiple of the group first and sliced back after), `amax(abs(...))` over the last dimension (of `x`, or of `n` itself: the
-  scale is then computed in the activation dtype, as torchao does, and cast to float32), an optional
+- dynamic per group or per row: `x = n.float()` (n maybe first reshaped to other leading dimensions,
+  as a linear flattens its input to rows; x optionally viewed as `[..., groups, group]`, the last
+  dimension split, maybe zero-padded to a multiple of the group first and sliced back after),
+  `amax(abs(...))` over the last dimension (of `x`, or of `n` itself: the scale is then computed in the activation dtype, as torchao does, and cast to float32), an optional
   `clamp_min` of the maximum, `/ 448`, then `x / scale` (the scale unsqueezed or kept with keepdim),
   an optional clamp to +-448, `.to(float8_e4m3fn)` and an optional view back: this project's
   models/quant `quantize_activations`, DeepSeek-V3's `act_quant` arithmetic, torchao's dynamic PerRow;
@@ -142,19 +143,26 @@ def _strip_clamps(node, inner: set):
     return node
 
 
-def _value32(node, normed: torch.fx.Node, inner: set) -> torch.fx.Node | None:
-    """`node` is normed in float32 (normed itself, or its cast): that node; else None."""
-    if node is normed and val(normed).dtype == torch.float32:
-        return node
-    if is_call(node, CAST) and node.args[0] is normed and node.args[1] == torch.float32:
-        return node
-    return None
+def _value32(node, normed: torch.fx.Node) -> torch.fx.Node | None:
+    """`node` is normed in float32 (normed itself, its cast, either maybe reshaped to other leading
+    dimensions, as a linear flattens its input to rows): that node; else None."""
+    if is_call(node, CAST) and node.args[1] == torch.float32:
+        return node if _rows_of(node.args[0], normed) else None
+    return node if val(normed).dtype == torch.float32 and _rows_of(node, normed) else None
+
+
+def _rows_of(node, normed: torch.fx.Node) -> bool:
+    """`node` is `normed`, or normed reshaped with its last dimension kept (the same rows, differently stacked)."""
+    while node is not normed and any(is_call(node, r) for r in RESHAPES) and \
+            statically_known_true(val(node).shape[-1] == val(node.args[0]).shape[-1]):
+        node = node.args[0]
+    return node is normed
 
 
 def _static(scaled: torch.fx.Node, normed: torch.fx.Node, final: torch.fx.Node, inner: set) -> Fp8Match:
     """`x * s` or `x / s` with s one float32 value computed apart from the site."""
     x, scale = scaled.args[0], scaled.args[1]
-    if _value32(x, normed, inner) is None:
+    if _value32(x, normed) is None:
         raise NotFused(f"`{scaled.name}` scales `{getattr(x, 'name', x)}`, not the norm's output in float32")
     value = val(scale)
     if value is None or value.numel() != 1 or value.dtype != torch.float32:
@@ -171,7 +179,7 @@ def _dynamic(divided: torch.fx.Node, normed: torch.fx.Node, final: torch.fx.Node
     numerator, denominator = divided.args
     hidden = val(normed).shape[-1]
     x, group = _ungrouped(numerator, inner)
-    if _value32(x, normed, inner) is None:
+    if _value32(x, normed) is None:
         raise NotFused(f"`{divided.name}` divides `{getattr(numerator, 'name', numerator)}`, not the norm's output in float32")
     inner.add(divided)
     scale = _strip_reshapes(denominator, (UNSQUEEZE,) + RESHAPES, inner)
@@ -197,7 +205,7 @@ def _dynamic(divided: torch.fx.Node, normed: torch.fx.Node, final: torch.fx.Node
         raise NotFused(f"`{amax.name}` reduces over dimensions {amax.args[1]}, not the last one")
     inner.update({amax, amax.args[0]})
     source_x, source_group = _ungrouped(source, inner)
-    same_values = _value32(source_x, normed, inner) is not None if scale_dtype == torch.float32 else source_x is normed
+    same_values = _value32(source_x, normed) is not None if scale_dtype == torch.float32 else _rows_of(source_x, normed)
     if source_group != group or not same_values:
         raise NotFused(f"the FP8 scale of `{divided.name}` is computed over other values than it divides")
     size = group or hidden
@@ -317,10 +325,12 @@ def _rewrite(graph: torch.fx.Graph, fused: torch.fx.Node, normed: torch.fx.Node,
     hidden = val(normed).shape[-1]
     scales_shape = [*val(normed).shape[:-1], recipe.groups(hidden)]
     for old, shape in ((match.quantized, list(val(normed).shape)), (match.scale, scales_shape)):
-        if old is not None and list(val(old).shape) != shape and not all(isinstance(d, int) for d in val(old).shape):
+        if old is not None and list(val(old).shape) != shape and _view_sizes(val(old).shape) is None:
             raise NotFused(f"`{old.name}` has the symbolic shape {list(val(old).shape)}, not the op's {shape}")
-    others = [u for u in normed.users if u not in match.inner and not _only_feeds(u, match.inner)]
-    match.inner.update(u for u in normed.users if u not in others)
+    feeds = {user: _feed_chain(user, match.inner) for user in normed.users}
+    others = [user for user, chain in feeds.items() if chain is None]
+    for chain in feeds.values():
+        match.inner.update(chain or ())
     return_normed = bool(others)
     op = allreduce_residual_rmsnorm_fp8_tensor_eps if fused.target is allreduce_residual_rmsnorm_tensor_eps else allreduce_residual_rmsnorm_fp8
     norm = [fused.args[i] if len(fused.args) > i else fused.kwargs.get(name, default)
@@ -347,9 +357,20 @@ def _rewrite(graph: torch.fx.Graph, fused: torch.fx.Node, normed: torch.fx.Node,
         raise RuntimeError(f"fxfuse internal error: `{fused.name}` is still read after its FP8 rewrite")
 
 
-def _only_feeds(node: torch.fx.Node, inner: set) -> bool:
-    """`node` (a cast of normed to float32) is read only inside the quantization."""
-    return node in inner or (is_call(node, CAST) and all(u in inner for u in node.users))
+def _feed_chain(node: torch.fx.Node, inner: set) -> set | None:
+    """The casts and reshapes from `node` (a user of normed) into the quantization, when that is all
+    `node` leads to (they go with it); None when something else reads `node` or what it leads to."""
+    if node in inner:
+        return {node}
+    if not (is_call(node, CAST) or any(is_call(node, r) for r in RESHAPES)) or not node.users:
+        return None
+    chain = {node}
+    for user in node.users:
+        below = _feed_chain(user, inner)
+        if below is None:
+            return None
+        chain |= below
+    return chain
 
 
 def _before(a: torch.fx.Node, b: torch.fx.Node) -> bool:
@@ -366,8 +387,14 @@ def _replace(graph: torch.fx.Graph, old: torch.fx.Node, new_value: torch.fx.Node
     target = val(old)
     source = new_value
     if list(val(new_value).shape) != list(target.shape):
-        source = _emit(graph, VIEW, (new_value, list(target.shape)), before=_first_user(old), meta_from=old)
+        source = _emit(graph, VIEW, (new_value, _view_sizes(target.shape)), before=_first_user(old), meta_from=old)
     old.replace_all_uses_with(source)
+
+
+def _view_sizes(shape) -> list | None:
+    """`view` sizes for `shape` that name no symbol: -1 for its one symbolic dimension; None if it has more."""
+    sizes = [d if isinstance(d, int) else -1 for d in shape]
+    return sizes if sizes.count(-1) <= 1 else None
 
 
 def _first_user(node: torch.fx.Node) -> torch.fx.Node:

@@ -76,6 +76,7 @@ def test_entry_point_without_importing_fxfuse():
         "fused_with_residual": 1,
         "fused_without_residual": 0,
         "allreduces_after": 0,
+        "fp8_quantizations_folded": 0,
     }
 
 

@@ -127,7 +127,7 @@ def test_multi_token_verify_steps_generate_the_greedy_sequence():
         (["run", "--verb"], "unrecognized arguments: --verb"),  # no abbreviations: --verb is not --verbose
         (["--frobnicate"], "unrecognized arguments: --frobnicate (see `fxfuse --help`)"),
         ([], "choose a command: run, report, bench"),
-        (["bench"], "choose a benchmark: kernel, model, fallback, gemm (see `fxfuse bench --help`)"),
+        (["bench"], "choose a benchmark: kernel, model, fallback, gemm, compile (see `fxfuse bench --help`)"),
         (["bench", "model", "--nope"], "unrecognized arguments: --nope (see `fxfuse bench model --help`)"),
         (["bench", "gemm", "--parts", "dense,mlp"], "argument --parts: expected a comma-separated subset of dense, experts"),
         (["bench", "gemm", "--tokens", "0"], "argument --tokens:"),

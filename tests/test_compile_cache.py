@@ -97,7 +97,8 @@ def test_warm_compile_hits_both_caches_and_records_the_same(runs):
     assert {k: v for k, v in warm_record.items() if k != "from_cache"} == {k: v for k, v in cold_record.items() if k != "from_cache"}
     assert warm["summary"] == cold["summary"] == {"allreduce_sites": 4, "fused_sites": 4, "merged": 0, "graphs_compiled": 1}
     assert warm["fxfuse"] == cold["fxfuse"] == {"allreduces_before": 4, "merged": 0, "fused_with_residual": 3,
-                                                "fused_without_residual": 1, "allreduces_after": 0}
+                                                "fused_without_residual": 1, "allreduces_after": 0,
+                                                "fp8_quantizations_folded": 0}
     assert warm["out"] == cold["out"]
     assert runs["dumps"]["warm"] == runs["dumps"]["cold"] == [
         "graph_000_rank0.after.txt", "graph_000_rank0.before.txt", "graph_000_rank0.diff.txt"]

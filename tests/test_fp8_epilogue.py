@@ -123,6 +123,23 @@ def test_the_normed_output_is_returned_when_something_else_reads_it():
     assert stats.fp8_quantizations_folded == 1 and _fused_node(graph).args[10] is True
 
 
+def test_a_linears_flattened_input_folds():
+    """A linear flattens the normed [batch, seq, hidden] to rows before it quantizes (models/layers.py w8a8);
+    the flattened value may also be read by another op (the routed experts read it in bf16)."""
+    from fxfuse.models.quant.act_quant import quantize_linear_input
+
+    def flattening(x, r, w, group):
+        hidden = funcol.all_reduce(x, "sum", group) + r
+        rows = rmsnorm_transformers(hidden, w, 1e-6).reshape(-1, HIDDEN)
+        quantized, scales = quantize_linear_input(rows, 128)
+        return quantized, scales, rows @ torch.ones(HIDDEN, 2, dtype=rows.dtype), hidden
+
+    inputs = [t.view(2, 2, HIDDEN) for t in _inputs(0)[:2]] + [_inputs(0)[2]]
+    stats, graph = _compile_on_fake_group(flattening, *inputs)
+    assert stats.fp8_quantizations_folded == 1 and _fused_node(graph).args[10] is True
+    assert Fp8Recipe(*_fused_node(graph).args[5:9]) == Fp8Recipe("per_group", 128, 1e-12)
+
+
 def _e5m2(x):
     grouped = x.float().view(-1, 128)
     scale = grouped.abs().amax(-1, keepdim=True) / 57344.0

@@ -40,8 +40,9 @@ def test_dense_fp8_w8a16_and_w8a8(dtype):
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(19, 96, generator=generator).to(dtype)
     fp8, scale_inv = quantize_blocks(torch.randn(72, 96, generator=generator), (16, 32))  # N = 72: a partial scale row
-    for gemm in ("w8a16", "w8a8"):  # the dense CUDA path of fxfuse_quant::fp8_linear (activation quantization included)
-        out = triton_fp8_linear(x, fp8, scale_inv, (16, 32), gemm)
+    # the dense Triton paths of fxfuse_quant::fp8_linear (w8a16) and fp8_linear_quantized (w8a8, quantized by the caller)
+    for gemm, (a, a_scale) in (("w8a16", (x, None)), ("w8a8", reference.quantize_activations(x, 32))):
+        out = triton_fp8_linear(a, a_scale, fp8, scale_inv, (16, 32), dtype)
         assert out.dtype == dtype
         assert relative(out, reference.fp8_linear_reference(x.float(), fp8, scale_inv, (16, 32), gemm)) <= TOLERANCE[dtype]
 

@@ -4,8 +4,10 @@ Each point times one GEMM (a dense projection, or a whole routed-expert block: g
 the weighted combine) at a token count, captured `--iters` times in a CUDA graph and replayed in
 interleaved rounds, median (p25-p75) of `--repeats` samples in microseconds per call:
 - dense, DeepSeek-V3's projections at tp=1: `bf16` (F.linear on the dequantized weight, cuBLAS),
-  `fp8-w8a16` and `fp8-w8a8` (the `fxfuse_quant::fp8_linear` op: the Triton kernel, or cuBLAS
-  block-scaled `torch._scaled_mm` for w8a8 where it works here);
+  `fp8-w8a16` (the `fxfuse_quant::fp8_linear` op, the Triton kernel) and `fp8-w8a8` (what an uncompiled
+  w8a8 linear runs: the one-kernel activation quantization of models/quant/act_quant.py, then the
+  `fxfuse_quant::fp8_linear_quantized` op: cuBLAS block-scaled `torch._scaled_mm` where it works here,
+  else the Triton kernel);
 - experts (hidden 7168, intermediate 2048, top 8): DeepSeek-V3's 256 FP8 experts and Kimi-K2.5's 384
   INT4 group-32 experts (`fxfuse_quant::quant_experts`) against the same experts dequantized to bf16
   through `torch._grouped_mm` (what `--weights bf16` runs).
@@ -87,7 +89,8 @@ def run(tokens: list[int], repeats: int, iters: int, parts: list[str]) -> dict:
 
 def _dense_variants(n: int, k: int, device, generator) -> tuple[dict, torch.Tensor]:
     from fxfuse.models.fp8 import FP8_DTYPE
-    from fxfuse.models.quant.ops import fp8_linear
+    from fxfuse.models.quant.act_quant import quantize_activations
+    from fxfuse.models.quant.ops import fp8_linear, fp8_linear_quantized
     from fxfuse.models.quant.reference import dequantize_fp8_blocks
 
     block = (FP8_BLOCK, FP8_BLOCK)
@@ -97,8 +100,8 @@ def _dense_variants(n: int, k: int, device, generator) -> tuple[dict, torch.Tens
     bf16 = dequantized.to(torch.bfloat16)
     return {
         "bf16": lambda x: F.linear(x, bf16),
-        "fp8-w8a16": lambda x: fp8_linear(x, weight, scale, *block, "w8a16"),
-        "fp8-w8a8": lambda x: fp8_linear(x, weight, scale, *block, "w8a8"),
+        "fp8-w8a16": lambda x: fp8_linear(x, weight, scale, *block),
+        "fp8-w8a8": lambda x: fp8_linear_quantized(*quantize_activations(x, FP8_BLOCK), weight, scale, *block, x.dtype),
     }, dequantized
 
 

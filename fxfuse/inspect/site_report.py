@@ -108,7 +108,7 @@ class FusionReport:
         return {**asdict(self), "sites": [asdict(row) for row in self.sites]}
 
     def table(self) -> str:
-        """One line per site, then the totals."""
+        """One line per site, what fused sites run (when known), then the totals."""
         lines = [f"{'#':>4}  {'layer':>5}  {'block':<10}  {'fused':<6}  module / reason"]
         several_graphs = any(row.graph for row in self.sites)
         for row in self.sites:
@@ -118,13 +118,13 @@ class FusionReport:
             lines.append(f"{number:>4}  {layer:>5}  {row.block:<10}  {fused:<6}  {row.module}"
                          + ("" if row.reason is None else f": {row.reason}")
                          + ("" if row.fp8 is None else f" [FP8 quantization {row.fp8}]"))
+        if self.runtime:
+            lines.append(self.runtime)
         lines.append(
             f"{self.model} ({self.layers} layers, tp={self.tp}, {self.dtype}): {self.fused_sites} of "
             f"{self.allreduce_sites} all-reduce sites fused ({self.fused_ops} fused ops, {self.merged} merges); "
             f"trace {self.trace_seconds:.1f} s, pass {self.pass_seconds:.2f} s"
         )
-        if self.runtime:
-            lines.append(self.runtime)
         return "\n".join(lines)
 
 

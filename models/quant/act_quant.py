@@ -1,13 +1,17 @@
 """Per-token-group FP8 activation quantization in one Triton kernel: the GPU path of
 `fxfuse.models.quant.reference.quantize_activations` ("w8a8" GEMMs quantize their input on every call,
-and the reference's seven small torch kernels cost more than a decode-size GEMM).
+and the reference's seven small torch kernels, run one by one, cost more than a decode-size GEMM).
 
 One program per (row, group): the group's max |x| (at least MIN_ACTIVATION_AMAX), scale = max / 448,
 q = clamp(x / scale) rounded to e4m3, in float32 with IEEE round-to-nearest divisions. The reference
 gives the same values up to float32 rounding of the scale (on the GPU torch divides by a scalar as a
 product with its reciprocal), so a value on an e4m3 rounding boundary may get the neighbouring code.
-`quantize_activations(x, group)` runs it for CUDA tensors and the reference elsewhere;
-`quantize_activations_triton` runs the kernel on any device (Triton's CPU interpreter in tests).
+`quantize_activations(x, group)` runs it for CUDA tensors and the reference elsewhere (the routed
+experts' op quantizes with it); `quantize_activations_triton` runs the kernel on any device (Triton's
+CPU interpreter in tests). `quantize_linear_input(x, group)` is the quantization of a w8a8 dense
+linear's input: under torch.compile the reference's plain torch ops, so that they are traced into the
+graph right after the RMSNorm (or other op) that produced x and a compiler can fuse them with it, or
+fxfuse fold them into its fused all-reduce + RMSNorm op; uncompiled, `quantize_activations`.
 """
 
 from __future__ import annotations
@@ -64,3 +68,11 @@ def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     if x.is_cuda and x.stride(1) == 1 and not group & (group - 1):
         return quantize_activations_triton(x, group)
     return reference.quantize_activations(x, group)
+
+
+def quantize_linear_input(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token-group FP8 quantization of a w8a8 dense linear's input x [M, K]: while torch.compile traces, the
+    reference's torch ops (into the graph, no custom op around them); uncompiled, `quantize_activations`."""
+    if torch.compiler.is_compiling():
+        return reference.quantize_activations(x, group)
+    return quantize_activations(x, group)

@@ -1,15 +1,22 @@
 """The quantized GEMMs as torch ops, so `torch.compile(fullgraph=True, dynamic=True)` traces them as
 single nodes (fake kernels give their shapes) and CUDA graphs capture their kernels.
 
-- `fxfuse_quant::fp8_linear(x, weight, scale_inv, block_n, block_k, gemm) -> y`: x [..., K] @ FP8
-  weight [N, K]^T with block scales; `gemm` "w8a16" or "w8a8" (models/quant/scheme.py).
+- `fxfuse_quant::fp8_linear(x, weight, scale_inv, block_n, block_k) -> y`: x [..., K] @ FP8 weight
+  [N, K]^T with block scales, bf16 activations ("w8a16", models/quant/scheme.py).
+- `fxfuse_quant::fp8_linear_quantized(x_q, x_scale, weight, scale_inv, block_n, block_k, out_dtype) -> y`:
+  the same product with per-token-group FP8 activations ("w8a8") that the caller already quantized:
+  x_q float8_e4m3fn [M, K], x_scale float32 [M, ceil(K / block_k)]. A w8a8 dense linear (models/layers.py)
+  quantizes x outside any op (models/quant/act_quant.py `quantize_linear_input`: plain torch ops under
+  torch.compile, so they sit in the graph right after the RMSNorm that produced x, where a compiler can
+  fuse the two), then calls this op.
 - `fxfuse_quant::quant_experts(x, expert_ids, weights, gate, gate_scale, up, up_scale, down, down_scale,
   fmt, block_n, block_k, gemm) -> y`: a rank's routed experts (SwiGLU) on FP8 ("fp8") or packed INT4
-  ("int4", group = block_k) stacked weights, combined with the routing weights: [N, H].
-On CPU both run the dequantizing reference (models/quant/reference.py); on CUDA the Triton kernels of
-models/quant/triton_gemm.py, and for "w8a8" dense layers cuBLAS block-scaled `torch._scaled_mm` where
-`models/quant/scaled_mm.py` found it working on this GPU. Every CUDA path has fixed shapes for a
-given input shape and no host synchronization (capturable).
+  ("int4", group = block_k) stacked weights, combined with the routing weights: [N, H]. With "w8a8" it
+  quantizes the expert inputs itself (rows sorted per expert).
+On CPU every op runs the dequantizing reference (models/quant/reference.py); on CUDA the Triton kernels of
+models/quant/triton_gemm.py, and for `fp8_linear_quantized` with 128 x 128 blocks cuBLAS block-scaled
+`torch._scaled_mm` where `models/quant/scaled_mm.py` found it working on this GPU. Every CUDA path has
+fixed shapes for a given input shape and no host synchronization (capturable).
 """
 
 from __future__ import annotations
@@ -24,25 +31,38 @@ from fxfuse.models.quant.triton_gemm import expert_tiles, quant_matmul, tile_sha
 
 
 @torch.library.custom_op("fxfuse_quant::fp8_linear", mutates_args=())
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block_n: int, block_k: int, gemm: str) -> torch.Tensor:
-    """x [..., K] @ dequantized FP8 weight [N, K]^T -> [..., N] in x's dtype."""
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """x [..., K] @ dequantized FP8 weight [N, K]^T -> [..., N] in x's dtype (bf16 activations, "w8a16")."""
     block = (block_n, block_k)
     if x.device.type != "cuda":
-        return reference.fp8_linear_reference(x, weight, scale_inv, block, gemm)
+        return reference.fp8_linear_reference(x, weight, scale_inv, block, "w8a16")
     flat = x.reshape(-1, x.shape[-1])
-    if gemm == "w8a8":
-        from fxfuse.models.quant.scaled_mm import blockwise_scaled_mm_works, scaled_mm_linear
-
-        if blockwise_scaled_mm_works(x.device) and block == (128, 128):
-            quantized, act_scale = quantize_activations(flat, block_k)
-            out = scaled_mm_linear(quantized, act_scale, weight, scale_inv, x.dtype)
-            return out.view(*x.shape[:-1], weight.shape[0])
-    return triton_fp8_linear(flat, weight, scale_inv, block, gemm).view(*x.shape[:-1], weight.shape[0])
+    return triton_fp8_linear(flat, None, weight, scale_inv, block, x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
 @fp8_linear.register_fake
-def _(x, weight, scale_inv, block_n, block_k, gemm):
+def _(x, weight, scale_inv, block_n, block_k):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("fxfuse_quant::fp8_linear_quantized", mutates_args=())
+def fp8_linear_quantized(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                         block_n: int, block_k: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """FP8 activations x_q [M, K] with per-token-group float32 scales x_scale [M, ceil(K / block_k)] @ dequantized
+    FP8 weight [N, K]^T -> [M, N] in `out_dtype`."""
+    block = (block_n, block_k)
+    if x_q.device.type != "cuda":
+        return reference.fp8_linear_quantized_reference(x_q, x_scale, weight, scale_inv, block, out_dtype)
+    from fxfuse.models.quant.scaled_mm import blockwise_scaled_mm_works, scaled_mm_linear
+
+    if blockwise_scaled_mm_works(x_q.device) and block == (128, 128):
+        return scaled_mm_linear(x_q, x_scale, weight, scale_inv, out_dtype)
+    return triton_fp8_linear(x_q, x_scale, weight, scale_inv, block, out_dtype)
+
+
+@fp8_linear_quantized.register_fake
+def _(x_q, x_scale, weight, scale_inv, block_n, block_k, out_dtype):
+    return x_q.new_empty(x_q.shape[0], weight.shape[0], dtype=out_dtype)
 
 
 @torch.library.custom_op("fxfuse_quant::quant_experts", mutates_args=())
@@ -92,14 +112,12 @@ def triton_experts(x, expert_ids, weights, stacked, fmt: str, block: tuple[int, 
     return combine_rows(out, order, token_of_row, weights, x.shape[0]).to(x.dtype)
 
 
-def triton_fp8_linear(flat: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], gemm: str) -> torch.Tensor:
-    """x [M, K] @ FP8 weight^T by the Triton kernel: bf16 activations ("w8a16") or FP8 per token group ("w8a8")."""
-    if gemm == "w8a8":
-        a, a_scale = quantize_activations(flat, block[1])
-    else:
-        a, a_scale = flat.contiguous(), None
-    rows = flat.shape[0]
+def triton_fp8_linear(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torch.Tensor, scale_inv: torch.Tensor,
+                      block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, K] @ FP8 weight [N, K]^T -> [M, N] in `out_dtype` by the Triton kernel: activations in a float dtype
+    (`a_scale` None, "w8a16") or FP8 with per-token-group float32 scales `a_scale` [M, ceil(K / bk)] ("w8a8")."""
+    rows = a.shape[0]
     block_m, block_n = tile_shape(rows, a_scale is not None)
-    out = torch.empty(rows, weight.shape[0], dtype=flat.dtype, device=flat.device)
-    return quant_matmul(a, a_scale, weight, scale_inv, None, None, out, int4=False, scale_block=block, block_m=block_m,
-                        block_n=block_n)
+    out = torch.empty(rows, weight.shape[0], dtype=out_dtype, device=a.device)
+    return quant_matmul(a.contiguous(), a_scale, weight, scale_inv, None, None, out, int4=False, scale_block=block,
+                        block_m=block_m, block_n=block_n)

@@ -1,10 +1,13 @@
 """The dequantizing reference of the quantized GEMMs (their CPU implementation), and activation quantization.
 
-FP8 linear: y = x W^T with W dequantized per block (`weight.float() * scale_inv[i // bn, j // bk]`);
-with FP8 activations ("w8a8") x is first quantized per token and group of `bk` inputs
-(`quantize_activations`), as the GPU kernels do, and dequantized, so the reference carries the same
-activation rounding. Quantized experts: every expert dequantized (FP8 blocks or INT4 groups), then
-the dense expert arithmetic of models/expert_math.py. Arithmetic in float32, result in x's dtype.
+FP8 linear: y = x W^T with W dequantized per block (`weight.float() * scale_inv[i // bn, j // bk]`).
+With FP8 activations ("w8a8") x is quantized per token and group of `bk` inputs by
+`quantize_activations`, written in plain torch ops: the w8a8 dense linears call it from the model code,
+so that under torch.compile it is part of the graph (models/quant/act_quant.py); the product of those
+quantized activations, dequantized, with the weight is `fp8_linear_quantized_reference`.
+`fp8_linear_reference` is both steps from unquantized x. Quantized experts: every expert dequantized
+(FP8 blocks or INT4 groups), then the dense expert arithmetic of models/expert_math.py, their inputs
+FP8-rounded the same way for "w8a8". Arithmetic in float32, result in x's dtype.
 """
 
 from __future__ import annotations
@@ -28,11 +31,15 @@ def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     lose bits to e4m3's subnormal range).
     """
     rows, cols = x.shape
-    padded = F.pad(x.float(), (0, (-cols) % group)).view(rows, -1, group)
-    amax = padded.abs().amax(dim=-1).clamp_min(MIN_ACTIVATION_AMAX)
+    pad = (-cols) % group
+    values = x.float()
+    if pad:  # a ragged last group; DeepSeek-V3's widths are multiples of 128, so its graphs have no pad
+        values = F.pad(values, (0, pad))
+    grouped = values.view(rows, -1, group)
+    amax = grouped.abs().amax(dim=-1).clamp_min(MIN_ACTIVATION_AMAX)
     scale = amax / FP8_MAX
-    quantized = (padded / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return quantized.view(rows, -1)[:, :cols], scale
+    quantized = (grouped / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(rows, -1)
+    return (quantized[:, :cols] if pad else quantized), scale
 
 
 def dequantize_activations(quantized: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
@@ -58,9 +65,18 @@ def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch
     """x [..., K] @ dequantized weight [N, K]^T -> [..., N] in x's dtype (activations FP8-rounded for "w8a8")."""
     flat = x.reshape(-1, x.shape[-1])
     if gemm == "w8a8":
-        flat = dequantize_activations(*quantize_activations(flat, block[1]), block[1])
-    out = flat.float() @ dequantize_fp8_blocks(weight, scale_inv, block).t()
-    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+        out = fp8_linear_quantized_reference(*quantize_activations(flat, block[1]), weight, scale_inv, block, x.dtype)
+    else:
+        out = (flat.float() @ dequantize_fp8_blocks(weight, scale_inv, block).t()).to(x.dtype)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_linear_quantized_reference(quantized: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                                   block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
+    """Per-token-group FP8 activations [M, K] (+ float32 scales [M, ceil(K / bk)], from `quantize_activations`)
+    @ dequantized weight [N, K]^T -> [M, N] in `out_dtype`, both operands dequantized to float32."""
+    out = dequantize_activations(quantized, scale, block[1]) @ dequantize_fp8_blocks(weight, scale_inv, block).t()
+    return out.to(out_dtype)
 
 
 def dequantize_experts(weight: torch.Tensor, scale: torch.Tensor, fmt: str, block: tuple[int, int]) -> torch.Tensor:

@@ -27,7 +27,8 @@ WEIGHT_FORMATS = ("bf16", "fp8", "int4")
 
 #: FP8 GEMM implementations (FXFUSE_FP8_GEMM): bf16 activations with in-kernel weight dequantization
 #: (Triton), or per-token-group (1 x block) FP8 activations with cuBLAS block-scaled `torch._scaled_mm`
-#: where this torch and GPU support it, else a Triton kernel.
+#: where this torch and GPU support it, else a Triton kernel (dense linears quantize their input before
+#: the GEMM op, in the compiled graph; routed experts inside theirs).
 FP8_GEMMS = ("w8a16", "w8a8")
 
 DEFAULT_FP8_BLOCK = (128, 128)

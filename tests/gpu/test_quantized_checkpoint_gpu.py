@@ -3,7 +3,9 @@ at full width (hidden 7168, the real attention, dense-MLP and expert sizes; 2 la
 one MoE, 16 routed experts, a 8192-token vocabulary so the files stay small), written by this test
 and run by `fxfuse run --checkpoint DIR --tp 1 --device cuda --backend fxfuse --weights fp8|int4
 --compare eager`: loaded with the weights kept quantized, compiled with fxfuse, replayed in CUDA
-graphs, and every step's logits checked against the eager model of the same weights.
+graphs, and every step's logits checked against the eager model of the same weights. The FP8 checkpoint
+runs with both FP8 GEMMs (FXFUSE_FP8_GEMM=w8a16, and w8a8, whose dense linears' activation
+quantization Inductor then compiles from the graph's plain ops).
 
 Kept quantized is checked by memory: the run holds two copies of the weights (the compiled model
 and the eager reference), and its peak GPU memory stays below what two dequantized (bf16) copies
@@ -87,9 +89,13 @@ def write_checkpoint(directory, config, weights: str) -> int:
     return bf16_bytes
 
 
-@pytest.mark.parametrize("preset, weights", [("deepseek-v3", "fp8"), ("kimi-k2.5", "int4")])
-def test_quantized_checkpoint_from_disk_runs_compiled_in_cuda_graphs(tmp_path, preset, weights):
+@pytest.mark.parametrize("preset, weights, gemm", [("deepseek-v3", "fp8", "w8a16"), ("deepseek-v3", "fp8", "w8a8"),
+                                                   ("kimi-k2.5", "int4", "w8a16")])
+def test_quantized_checkpoint_from_disk_runs_compiled_in_cuda_graphs(tmp_path, monkeypatch, preset, weights, gemm):
     from fxfuse.cli import main
+    from fxfuse.runner.quant_setup import FP8_GEMM_ENV
+
+    monkeypatch.setenv(FP8_GEMM_ENV, gemm)
 
     directory = tmp_path / f"{preset}-{weights}"
     bf16_bytes = write_checkpoint(directory, full_width_config(preset), weights)
@@ -100,7 +106,7 @@ def test_quantized_checkpoint_from_disk_runs_compiled_in_cuda_graphs(tmp_path, p
             "--steps", "3", "--graph-widths", "4", "--compare", "eager", "--json", str(summary_path)]
     assert main(argv) == 0
     summary = json.loads(summary_path.read_text())
-    record = {"test": "checkpoint_from_disk", "preset": preset, "weights": weights, "max_rel_err": summary["max_rel_err"],
+    record = {"test": "checkpoint_from_disk", "preset": preset, "weights": weights, "gemm": gemm, "max_rel_err": summary["max_rel_err"],
               "peak_gpu_mem_gb": summary["peak_gpu_mem_gb"], "bf16_weights_gb": bf16_bytes / 1e9, "step_ms": summary["step_ms"]}
     print(json.dumps(record))
     if os.environ.get("FXFUSE_GPU_RESULTS"):

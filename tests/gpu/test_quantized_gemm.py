@@ -4,8 +4,10 @@ fxfuse under CUDA graphs. Needs a CUDA GPU of SM 8.9+ (FP8 tensor cores) and Tri
 1. FP8 dense layers, DeepSeek-V3's projections at tp=1 (q_a, q_b, kv_a, o_proj, dense MLP up/down):
    - "w8a16" (FP8 weights widened in the Triton kernel, bf16 activations) against the dequantized bf16
      weights through F.linear: within bf16 tolerance (relative L2 <= 1e-2);
-   - "w8a8" (per-token-group 1 x 128 FP8 activations), by the Triton kernel and by cuBLAS block-scaled
-     torch._scaled_mm (skipped, with the reason, where torch or the GPU does not support it): against
+   - "w8a8" (per-token-group 1 x 128 FP8 activations, quantized by the one-kernel `quantize_activations`
+     as an uncompiled w8a8 linear does, then `fxfuse_quant::fp8_linear_quantized`), by the Triton kernel
+     and by cuBLAS block-scaled torch._scaled_mm (skipped, with the reason, where torch or the GPU does
+     not support it): against
      the float32 emulation of the same activation rounding within 1e-2 (the kernel is right), and
      against the dequantized bf16 reference within W8A8_BOUND. Expected error: e4m3 keeps 3 mantissa
      bits, a relative rounding error <= 2**-4 per activation, about 2.6% relative L2 for Gaussian
@@ -16,12 +18,16 @@ fxfuse under CUDA graphs. Needs a CUDA GPU of SM 8.9+ (FP8 tensor cores) and Tri
    FP8 (DeepSeek-V3; w8a16 and w8a8) and INT4 group 32 (Kimi-K2.5, W4A16) against the dequantized
    bf16 weights through `torch._grouped_mm`: bf16 tolerance, or 6e-2 for w8a8 (two chained GEMMs,
    each with its own activation rounding).
-3. The deepseek-v3 preset cut to 4 layers with FP8 weights, and kimi-k2.5 cut to 2 layers with INT4
-   experts (full width, random weights), compiled with `FxfuseBackend(inner="eager")`,
+3. The deepseek-v3 preset cut to 4 layers with FP8 weights (w8a16, and w8a8: every FP8 projection one
+   `fp8_linear_quantized` after its activation quantization in plain ops), and kimi-k2.5 cut to 2 layers
+   with INT4 experts (full width, random weights), compiled with `FxfuseBackend(inner="eager")`,
    fullgraph=True, dynamic=True, at tp=1 (the fusion of every site with the quantized ops is checked on
    CPU at tp=2, tests/test_quant_compile.py; FlashInfer is not needed here), captured with the runner's
    CudaGraphStep and replayed on fresh tokens: replay equals the uncaptured compiled step (<= 5e-3)
-   and matches the eager quantized model (<= 5e-2, bf16 MoE routing ties).
+   and matches the eager quantized model (<= 5e-2, bf16 MoE routing ties; w8a8 <= W8A8_VS_EAGER: the
+   compiled graph quantizes with torch ops, eager with the one-kernel quantization, whose codes differ
+   on e4m3 rounding boundaries, and FP8 activations turn such one-step differences into e4m3 steps:
+   the w8a8 model's measured sensitivity is about 0.10, BENCHMARKS.md).
 Measured errors go to $FXFUSE_GPU_RESULTS (JSON lines) when it is set (scripts/gpu_check_quant.sh).
 """
 
@@ -46,6 +52,8 @@ pytestmark = [
 BF16_TOLERANCE = 1e-2
 W8A8_BOUND = 4e-2
 W8A8_EXPERTS_BOUND = 6e-2
+#: Compiled w8a8 model vs eager (relative L2 of the logits); a dequantization or layout error gives O(1).
+W8A8_VS_EAGER = 0.25
 EMULATION_TOLERANCE = 1e-2
 DENSE_SHAPES = {"q_a_proj": (1536, 7168), "q_b_proj": (24576, 1536), "kv_a_proj_with_mqa": (576, 7168),
                 "o_proj": (7168, 16384), "mlp.up_proj": (18432, 7168), "mlp.down_proj": (7168, 18432)}
@@ -91,7 +99,7 @@ def test_fp8_w8a16_matches_dequantized_bf16(layer, rows):
     weight, scale_inv = fp8_weight(n, k, generator)
     x = torch.randn(rows, k, device="cuda", generator=generator).bfloat16()
     expected = F.linear(x, dequantize_fp8_blocks(weight, scale_inv, (128, 128)).bfloat16())
-    error = rel_l2(fp8_linear(x, weight, scale_inv, 128, 128, "w8a16"), expected)
+    error = rel_l2(fp8_linear(x, weight, scale_inv, 128, 128), expected)
     record(test="fp8_w8a16", layer=layer, rows=rows, rel_l2_vs_bf16=error)
     assert error <= BF16_TOLERANCE
 
@@ -101,7 +109,8 @@ def test_fp8_w8a16_matches_dequantized_bf16(layer, rows):
 @pytest.mark.parametrize("layer", list(DENSE_SHAPES))
 def test_fp8_w8a8_error_is_the_activation_rounding(layer, rows, impl, scaled_mm_ok, monkeypatch):
     from fxfuse.models.quant import scaled_mm
-    from fxfuse.models.quant.ops import fp8_linear
+    from fxfuse.models.quant.act_quant import quantize_activations
+    from fxfuse.models.quant.ops import fp8_linear_quantized
     from fxfuse.models.quant.reference import dequantize_fp8_blocks, fp8_linear_reference
 
     if impl == "scaled_mm" and not scaled_mm_ok:
@@ -112,7 +121,7 @@ def test_fp8_w8a8_error_is_the_activation_rounding(layer, rows, impl, scaled_mm_
     n, k = DENSE_SHAPES[layer]
     weight, scale_inv = fp8_weight(n, k, generator)
     x = torch.randn(rows, k, device="cuda", generator=generator).bfloat16()
-    got = fp8_linear(x, weight, scale_inv, 128, 128, "w8a8")
+    got = fp8_linear_quantized(*quantize_activations(x, 128), weight, scale_inv, 128, 128, x.dtype)
     emulated = fp8_linear_reference(x.float(), weight, scale_inv, (128, 128), "w8a8")
     bf16 = F.linear(x, dequantize_fp8_blocks(weight, scale_inv, (128, 128)).bfloat16())
     errors = {"rel_l2_vs_emulation": rel_l2(got, emulated), "rel_l2_vs_bf16": rel_l2(got, bf16)}
@@ -194,7 +203,8 @@ def test_quantized_experts_match_dequantized_bf16(experts, tokens, gemm):
     assert error <= (W8A8_EXPERTS_BOUND if gemm == "w8a8" else BF16_TOLERANCE)
 
 
-MODEL_CASES = {"deepseek-v3-fp8": ("deepseek-v3", 4, "fp8"), "kimi-k2.5-int4": ("kimi-k2.5", 2, "int4")}
+MODEL_CASES = {"deepseek-v3-fp8": ("deepseek-v3", 4, "fp8", "w8a16"), "deepseek-v3-fp8-w8a8": ("deepseek-v3", 4, "fp8", "w8a8"),
+               "kimi-k2.5-int4": ("kimi-k2.5", 2, "int4", "w8a16")}
 BATCH, WIDTH, PROMPT_LEN, STEPS = 2, 4, 8, 2
 
 
@@ -213,12 +223,12 @@ def _compile_capture_replay(case: str) -> None:
     from fxfuse.models.random_weights import init_random_shards
     from fxfuse.runner.cuda_graph_step import CudaGraphStep
 
-    preset, layers, fmt = MODEL_CASES[case]
+    preset, layers, fmt, gemm = MODEL_CASES[case]
     device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.reset_peak_memory_stats(device)
     config = get_preset(preset, layers=layers)
     model = DeepseekV3ForCausalLM(config, ParallelContext(), dtype=torch.bfloat16, device=device, max_batch=BATCH,
-                                  max_seq_len=PROMPT_LEN + STEPS * WIDTH, quant=QuantScheme(fmt))
+                                  max_seq_len=PROMPT_LEN + STEPS * WIDTH, quant=QuantScheme(fmt, fp8_gemm=gemm))
     init_random_shards(model, 0, ParallelContext())
     model.eval()
     kept = {p.dtype for p in model.parameters()}
@@ -230,6 +240,8 @@ def _compile_capture_replay(case: str) -> None:
     graph_step = CudaGraphStep(compiled, BATCH, (WIDTH,), device)  # warm-up (compiles) then capture
     after = dict(backend.records[-1].after.op_counts)
     assert after.get("fxfuse_quant.quant_experts", 0) == config.num_moe_layers, after
+    if gemm == "w8a8":  # 4 attention projections per layer + 3 dense-MLP or shared-expert ones
+        assert after.get("fxfuse_quant.fp8_linear_quantized", 0) == 7 * layers and "fxfuse_quant.fp8_linear" not in after, after
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(config.vocab_size, (BATCH, PROMPT_LEN), generator=generator).to(device)
     model(prompt, torch.arange(PROMPT_LEN, device=device).repeat(BATCH, 1))  # eager prefill
@@ -242,6 +254,7 @@ def _compile_capture_replay(case: str) -> None:
         eager = model(ids, positions).float()
         errors.append({"vs_uncaptured": rel_l2(replayed, uncaptured), "vs_eager": rel_l2(replayed, eager)})
     record(test="model_cuda_graph", case=case, weight_gb=weight_gb, errors=errors,
-           peak_gpu_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9, quant_ops=after.get("fxfuse_quant.fp8_linear", 0) + after.get("fxfuse_quant.quant_experts", 0))
+           peak_gpu_mem_gb=torch.cuda.max_memory_allocated(device) / 1e9, quant_ops=sum(after.get(f"fxfuse_quant.{op}", 0) for op in ("fp8_linear", "fp8_linear_quantized", "quant_experts")))
+    vs_eager = W8A8_VS_EAGER if gemm == "w8a8" else 5e-2
     for e in errors:
-        assert e["vs_uncaptured"] <= 5e-3 and e["vs_eager"] <= 5e-2, errors
+        assert e["vs_uncaptured"] <= 5e-3 and e["vs_eager"] <= vs_eager, errors
