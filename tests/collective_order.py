@@ -21,7 +21,11 @@ rewritten graphs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch._functorch.config
+import torch._inductor.config
 import torch.fx
 
 from fxfuse.backend import FxfuseBackend
@@ -117,11 +121,17 @@ class CollectiveOrder:
 
 class OrderCheckedBackend(FxfuseBackend):
     """An `FxfuseBackend` that checks every graph it rewrites with `CollectiveOrder`; `graphs` holds each
-    rewritten GraphModule (under Inductor, before the donation pass)."""
+    rewritten GraphModule (under Inductor, before the donation pass). It compiles without Inductor's
+    FX graph and AOTAutograd caches, whose hits would run no pass, so nothing would be checked."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        with torch._inductor.config.patch(fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            return super().__call__(gm, example_inputs)
 
     def rewrite(self, graph: torch.fx.Graph) -> None:
         order = CollectiveOrder.record(graph)
