@@ -4,7 +4,9 @@ Pattern 1 (`allreduce_residual_rmsnorm`): `hidden = all_reduce(x) + residual` (e
 feeding an RMSNorm, where `hidden` may also be used later as the next residual. It becomes
 `normed, residual_out = fxfuse.allreduce_residual_rmsnorm(x, residual, weight, eps, group_name)` and
 every other use of `hidden` reads `residual_out`. This covers the attention output, the MLP/MoE output
-(into the next layer's input norm) and the last layer (into the final norm).
+(into the next layer's input norm) and the last layer (into the final norm). With a float32 residual
+stream and 16-bit activations the sum is `all_reduce(x).to(float32) + residual`, normed in float32 and
+cast to x's dtype: the op takes the float32 residual and returns a float32 `residual_out`.
 
 Pattern 2 (`allreduce_rmsnorm`): `all_reduce(x)` feeding an RMSNorm directly (the vocab-parallel
 embedding before the first layer's input norm). It becomes the fused op with `residual=None`, and
@@ -14,12 +16,15 @@ The graph is first rewritten into one canonical spelling (`fxfuse.passes.canonic
 moved up to the chain's inputs, the all-reduced operand first in the residual add, one spelling of the
 RMSNorm arithmetic), so the traced patterns below need only that spelling: the RMSNorm computed in
 float32 with the weight multiplied after the cast back or in float32 before it (in float32 these are
-one graph), for bfloat16, float16 and float32 activations, with any eps (each site keeps its own).
+one graph; before it, the op gets `weight_in_fp32=True`, and the weight may be float32, which
+`norm_weight.take_weight_apart` turns back into the 16-bit parameter plus Gemma's offset where it can),
+for bfloat16, float16 and float32 activations, with any eps (each site keeps its own).
 The eps is a Python float, or a 0-dim CPU tensor when `torch.compile(dynamic=True)` made the model's
 float eps a graph input; the fused call is then the op's `tensor_eps` overload, which reads it when it
 runs. The patterns are traced once per process group name found in the graph, so the group name is
 part of the pattern. `extra_check` refuses sites the fused op cannot reproduce (`site_refusal` says
-why): dtypes that differ, a residual or weight that is not a same-shape tensor / a hidden-size
+why): dtypes that differ (the matcher ignores dtype arguments, so the norm's result is checked to
+have x's dtype too), a residual or weight that is not a same-shape tensor / a hidden-size
 vector, an eps tensor that is not a CPU scalar; a matched node with a keyword argument the patterns do
 not name (an `alpha` on an add, a `dtype` on the mean: `keyword_refusal`); a residual, weight or eps
 computed from the site's own values, or after the all-reduce from something that cannot move before it
@@ -33,6 +38,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -45,6 +51,7 @@ from fxfuse.op.schema import FUSED_OPS, NORM_OPS, allreduce_residual_rmsnorm, al
 from fxfuse.passes.canonical_form import canonicalize
 from fxfuse.passes.collective_placement import OriginalPlaces, late_input_refusal
 from fxfuse.passes.config import ALLREDUCE_RESIDUAL_RMSNORM, ALLREDUCE_RMSNORM, PassConfig
+from fxfuse.passes.norm_weight import take_weight_apart
 from fxfuse.passes.pattern_support import (
     ALL_REDUCE,
     allreduce_sum,
@@ -82,15 +89,32 @@ def rmsnorm_cast_times_weight(hidden: torch.Tensor, weight: torch.Tensor, eps: f
 
 
 def rmsnorm_cast_of_times_weight(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Weight applied in float32 before the cast back (`F.rms_norm`): `(normed * weight).to(dtype)`."""
+    """Weight applied in float32 before the cast back (`F.rms_norm`; Gemma's `(1 + w.float())` as the
+    weight): `(normed * weight).to(dtype)`."""
     return (_normalized_fp32(hidden, eps) * weight).to(hidden.dtype)
 
 
+@dataclass(frozen=True)
+class NormSpelling:
+    """What a canonical site computes beyond the plain chain: `weight_in_fp32`, the weight multiplies
+    the float32 norm before the one cast back (the op's `weight_in_fp32`; the weight may be float32);
+    `float32_residual`, the 16-bit all-reduced value is upcast and added to a float32 residual, the norm
+    computed on that float32 sum and cast to the activations' dtype (Megatron's fp32 residual stream)."""
+
+    weight_in_fp32: bool = False
+    float32_residual: bool = False
+
+
+PLAIN = NormSpelling()
+WEIGHT_IN_FP32 = NormSpelling(weight_in_fp32=True)
+FLOAT32_RESIDUAL = NormSpelling(weight_in_fp32=True, float32_residual=True)
+
 # The canonical spellings whose traced graphs differ, per traced dtype: in float32 the casts vanish,
-# so the weight applied before or after the cast back is one graph there.
-RMSNORM_SPELLINGS: dict[torch.dtype, tuple[RMSNorm, ...]] = {
-    torch.bfloat16: (rmsnorm_cast_times_weight, rmsnorm_cast_of_times_weight),
-    torch.float32: (rmsnorm_cast_times_weight,),
+# so the weight applied before or after the cast back is one graph there. (The matcher ignores dtype
+# arguments: a bfloat16 trace matches float16 sites too, `site_refusal` checks the dtypes.)
+RMSNORM_SPELLINGS: dict[torch.dtype, tuple[tuple[RMSNorm, NormSpelling], ...]] = {
+    torch.bfloat16: ((rmsnorm_cast_times_weight, PLAIN), (rmsnorm_cast_of_times_weight, WEIGHT_IN_FP32)),
+    torch.float32: ((rmsnorm_cast_times_weight, PLAIN),),
 }
 
 
@@ -100,29 +124,45 @@ def site_refusal(
     eps: float | torch.Tensor | None,
     residual: torch.Tensor | None = None,
     with_residual: bool = False,
+    spelling: NormSpelling = PLAIN,
+    output_dtype: torch.dtype | None = None,
+    sum_dtype: torch.dtype | None = None,
 ) -> str | None:
     """Why the fused op cannot reproduce a matched site with the unfused rounding; None if it can.
 
-    x (and residual, with `with_residual`) share a supported dtype and x's shape; weight is a vector
-    of the hidden size (x's last dimension) in that dtype; eps is a float or a 0-dim floating CPU
-    tensor. Anything else (a scalar or broadcast "residual", a differently-typed weight or residual,
-    an eps on a GPU, which would cost a device sync to read) stays unfused.
+    x has a supported dtype; the residual (with `with_residual`) has x's shape and dtype, or float32
+    for a float32 residual stream; weight is a vector of the hidden size (x's last dimension) in x's
+    dtype, or float32 where `spelling` applies it in float32; eps is a float or a 0-dim floating CPU
+    tensor; the norm's result (`output_dtype`, when known) has x's dtype, which the op returns, and the
+    normed sum (`sum_dtype`) the residual's.
+    Anything else (a scalar or broadcast "residual", a differently-typed weight or residual, an eps on
+    a GPU, which would cost a device sync to read) stays unfused.
     """
     if x is None or x.dim() < 1:
         return "the all-reduced value is not a tensor with a hidden dimension"
     if x.dtype not in FUSIBLE_DTYPES:
         return f"dtype {_dtype_name(x.dtype)} is not bfloat16, float16 or float32"
+    if output_dtype is not None and output_dtype != x.dtype:
+        return f"the RMSNorm's result is {_dtype_name(output_dtype)}, not the all-reduced {_dtype_name(x.dtype)} the fused op returns"
     if with_residual:
         if residual is None:
             return "the residual is not a tensor"
-        if residual.dtype != x.dtype:
-            return f"residual dtype {_dtype_name(residual.dtype)} differs from {_dtype_name(x.dtype)}"
+        wanted = torch.float32 if spelling.float32_residual else x.dtype
+        if residual.dtype != wanted:
+            stream = "the float32 residual stream's " if spelling.float32_residual else ""
+            return f"{stream}residual dtype {_dtype_name(residual.dtype)} differs from {_dtype_name(wanted)}"
         if not same_shape(residual, x):
             return f"residual shape {list(residual.shape)} is not the all-reduced shape {list(x.shape)}"
+        if sum_dtype is not None and sum_dtype != wanted:
+            return f"the residual add's result is {_dtype_name(sum_dtype)}, not {_dtype_name(wanted)}"
+        if spelling.float32_residual and not spelling.weight_in_fp32:
+            return ("the float32 residual stream's RMSNorm is cast back before its weight multiply: the fused op "
+                    "applies the weight in float32 before the cast")
     if weight is None:
         return "the RMSNorm weight is not a tensor"
-    if weight.dtype != x.dtype:
-        return f"RMSNorm weight dtype {_dtype_name(weight.dtype)} differs from {_dtype_name(x.dtype)}"
+    if weight.dtype != x.dtype and not (spelling.weight_in_fp32 and weight.dtype == torch.float32):
+        also = " and float32" if spelling.weight_in_fp32 else ""
+        return f"RMSNorm weight dtype {_dtype_name(weight.dtype)} differs from {_dtype_name(x.dtype)}{also}"
     if weight.dim() != 1 or not statically_known_true(weight.shape[0] == x.shape[-1]):
         return f"RMSNorm weight shape {list(weight.shape)} is not [hidden size {x.shape[-1]}]"
     if isinstance(eps, torch.Tensor) and (eps.dim() != 0 or not eps.is_floating_point() or eps.device.type != "cpu"):
@@ -157,7 +197,7 @@ def kernel_refusal(x: torch.Tensor, group_name: str) -> str | None:
     return fused_kernel_unavailable(x.device.type, x.dtype, world_size)
 
 
-def fusible_site(match: Match, with_residual: bool, kernel_group: str | None = None) -> bool:
+def fusible_site(match: Match, with_residual: bool, kernel_group: str | None = None, spelling: NormSpelling = PLAIN) -> bool:
     """extra_check: the matched site is one the fused op reproduces (`site_refusal` is None) and, when
     `kernel_group` names the site's group, one where a fused all-reduce kernel can run (`kernel_refusal`);
     no matched node carries a keyword argument that changes its value (`keyword_refusal`: the matcher
@@ -167,7 +207,10 @@ def fusible_site(match: Match, with_residual: bool, kernel_group: str | None = N
     whose arguments can be pattern literals on some torch versions (a scalar "residual" among them).
     """
     x = matched_tensor(match, "x")
-    refusal = site_refusal(x, matched_tensor(match, "weight"), _matched_eps(match), matched_tensor(match, "residual"), with_residual)
+    normed, hidden = (node.meta.get("val") for node in match.output_nodes())
+    refusal = site_refusal(x, matched_tensor(match, "weight"), _matched_eps(match), matched_tensor(match, "residual"),
+                           with_residual, spelling, normed.dtype if isinstance(normed, torch.Tensor) else None,
+                           hidden.dtype if isinstance(hidden, torch.Tensor) else None)
     if refusal is None and kernel_group is not None:
         refusal = kernel_refusal(x, kernel_group)
     if refusal is None:
@@ -179,16 +222,15 @@ def fusible_site(match: Match, with_residual: bool, kernel_group: str | None = N
     return refusal is None
 
 
-def fused_call(x, residual, weight, eps, group_name: str):
+def fused_call(x, residual, weight, eps, group_name: str, weight_in_fp32: bool = False):
     """The fused op for one site: the float overload, or `tensor_eps` when eps is a graph tensor."""
-    if isinstance(eps, torch.Tensor):
-        return allreduce_residual_rmsnorm_tensor_eps(x, residual, weight, eps, group_name)
-    return allreduce_residual_rmsnorm(x, residual, weight, eps, group_name)
+    op = allreduce_residual_rmsnorm_tensor_eps if isinstance(eps, torch.Tensor) else allreduce_residual_rmsnorm
+    return op(x, residual, weight, eps, group_name, 0.0, weight_in_fp32)
 
 
 def _register(
     pass_: PatternMatcherPass, search: Callable, replacement: Callable, examples: list[torch.Tensor], with_residual: bool,
-    kernel_group: str | None,
+    kernel_group: str | None, spelling: NormSpelling,
 ) -> None:
     """Trace `search` -> `replacement` into `pass_`, checked by `fusible_site`, eps bound per site."""
     register_replacement(
@@ -197,41 +239,59 @@ def _register(
         examples,
         trace_functional,
         pass_,
-        extra_check=functools.partial(fusible_site, with_residual=with_residual, kernel_group=kernel_group),
+        extra_check=functools.partial(fusible_site, with_residual=with_residual, kernel_group=kernel_group, spelling=spelling),
         scalar_workaround={"eps": EPS_PLACEHOLDER},
     )
 
 
 def _register_residual_pattern(
-    pass_: PatternMatcherPass, group_name: str, norm: RMSNorm, dtype: torch.dtype, kernel_group: str | None
+    pass_: PatternMatcherPass, group_name: str, norm: RMSNorm, spelling: NormSpelling, dtype: torch.dtype,
+    kernel_group: str | None,
 ) -> None:
     """Register pattern 1 for one norm spelling and dtype (the canonical form adds the residual second)."""
 
     def fused(x, residual, weight, eps):
-        return fused_call(x, residual, weight, eps, group_name)
+        return fused_call(x, residual, weight, eps, group_name, spelling.weight_in_fp32 and dtype != torch.float32)
 
     def reduced_plus_residual(x, residual, weight, eps):
         hidden = allreduce_sum(x, group_name) + residual
         return norm(hidden, weight, eps), hidden
 
     examples = [example_tensor(4, 16, dtype=dtype), example_tensor(4, 16, dtype=dtype), example_tensor(16, dtype=dtype)]
-    _register(pass_, reduced_plus_residual, fused, examples, True, kernel_group)
+    _register(pass_, reduced_plus_residual, fused, examples, True, kernel_group, spelling)
+
+
+def _register_float32_residual_pattern(pass_: PatternMatcherPass, group_name: str, kernel_group: str | None) -> None:
+    """Register pattern 1 for a float32 residual stream: `all_reduce(x).to(float32) + residual`, normed in
+    float32 with the weight, cast to x's dtype (traced in bfloat16; it matches float16 sites too)."""
+
+    def fused(x, residual, weight, eps):
+        return fused_call(x, residual, weight, eps, group_name, True)
+
+    def reduced_upcast_plus_residual(x, residual, weight, eps):
+        hidden = allreduce_sum(x, group_name).to(torch.float32) + residual
+        return (_normalized_fp32(hidden, eps) * weight).to(x.dtype), hidden
+
+    examples = [example_tensor(4, 16, dtype=torch.bfloat16), example_tensor(4, 16, dtype=torch.float32),
+                example_tensor(16, dtype=torch.float32)]
+    _register(pass_, reduced_upcast_plus_residual, fused, examples, True, kernel_group, FLOAT32_RESIDUAL)
 
 
 def _register_plain_pattern(
-    pass_: PatternMatcherPass, group_name: str, norm: RMSNorm, dtype: torch.dtype, kernel_group: str | None
+    pass_: PatternMatcherPass, group_name: str, norm: RMSNorm, spelling: NormSpelling, dtype: torch.dtype,
+    kernel_group: str | None,
 ) -> None:
     """Register pattern 2 (no residual) for one norm spelling and dtype."""
 
     def fused(x, weight, eps):
-        return fused_call(x, None, weight, eps, group_name)
+        return fused_call(x, None, weight, eps, group_name, spelling.weight_in_fp32 and dtype != torch.float32)
 
     def reduced_into_norm(x, weight, eps):
         reduced = allreduce_sum(x, group_name)
         return norm(reduced, weight, eps), reduced
 
     examples = [example_tensor(4, 16, dtype=dtype), example_tensor(16, dtype=dtype)]
-    _register(pass_, reduced_into_norm, fused, examples, False, kernel_group)
+    _register(pass_, reduced_into_norm, fused, examples, False, kernel_group, spelling)
 
 
 @functools.cache
@@ -242,12 +302,14 @@ def fusion_patterns(group_name: str, patterns: frozenset[str], fuse_without_fast
     """
     pass_ = PatternMatcherPass()
     kernel_group = None if fuse_without_fast_kernel else group_name
-    for dtype, norms in RMSNORM_SPELLINGS.items():
-        for norm in norms:
+    for dtype, spellings in RMSNORM_SPELLINGS.items():
+        for norm, spelling in spellings:
             if ALLREDUCE_RESIDUAL_RMSNORM in patterns:
-                _register_residual_pattern(pass_, group_name, norm, dtype, kernel_group)
+                _register_residual_pattern(pass_, group_name, norm, spelling, dtype, kernel_group)
             if ALLREDUCE_RMSNORM in patterns:
-                _register_plain_pattern(pass_, group_name, norm, dtype, kernel_group)
+                _register_plain_pattern(pass_, group_name, norm, spelling, dtype, kernel_group)
+    if ALLREDUCE_RESIDUAL_RMSNORM in patterns:
+        _register_float32_residual_pattern(pass_, group_name, kernel_group)
     return pass_
 
 
@@ -276,6 +338,7 @@ def run(graph: torch.fx.Graph, config: PassConfig) -> int:
         for op in NORM_OPS:  # what the patterns emit
             for node in list(graph.find_nodes(op="call_function", target=op)):
                 places.restore(graph, node, [node.args[0]], node.args[4])
+                take_weight_apart(node)
         stable_topological_sort(graph)
         _erase_unused_outputs(graph)
     return fused

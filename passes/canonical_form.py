@@ -12,11 +12,15 @@ into one form; the traced patterns then match that form only. Every rewrite keep
   was and waited for where the old wait was (a collective never moves later or past another one); size
   arguments computed after the all-reduce move up before it (a reshape whose sizes come from the sum
   itself stays where it is).
+- A 16-bit all-reduced value added to a float32 one by type promotion reads `reduced.to(float32) +
+  other` (the float32 residual stream's spelling; the conversion is exact), and such an upcast counts
+  as the all-reduced value in what follows.
 - An add of an all-reduced value reads `reduced + other` (the all-reduced operand first; of two, the
   later one, whose fused op can then take the earlier as its residual where its all-reduce was). An
   add with `alpha` (`a + alpha * b`) keeps its operands' order.
 - The RMSNorm arithmetic that reads a chain value `h` (or a cast of it): `c * c` becomes
-  `pow(c, 2)`; a mean over the last dimension named by its index becomes `mean(..., [-1])`;
+  `pow(c, 2)`; `h * rsqrt(...)` with `c = h.to(float32)` (type promotion upcasts `h` exactly)
+  becomes `c * rsqrt(...)`; a mean over the last dimension named by its index becomes `mean(..., [-1])`;
   `eps + mean` and `add.Scalar(mean, eps)` become `mean + eps` (`add.Tensor`); repeated casts of `h` to one dtype become one; `rsqrt(v) * c`
   becomes `c * rsqrt(v)`; `weight * normed` becomes `normed * weight` (before or after the cast
   back). All of these are exact in floating point.
@@ -27,7 +31,8 @@ into one form; the traced patterns then match that form only. Every rewrite keep
 
 After it, an RMSNorm of a chain value `h` reads, with `c = h` or `c = h.to(float32)`,
 `n = c * rsqrt(mean(pow(c, 2), [-1], keepdim=True) + eps)`, then `n.to(dtype) * weight` or
-`(n * weight).to(dtype)` (in float32 `n * weight`). `find_rmsnorm(h)` returns its nodes.
+`(n * weight).to(dtype)` (in float32 `n * weight`; a float32 residual stream's `(n * weight).to(dtype)`
+with `c = h`). `find_rmsnorm(h)` returns its nodes.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ RSQRT = aten.rsqrt.default
 SQRT = aten.sqrt.default
 RECIPROCAL = aten.reciprocal.default
 CAST = torch.ops.prims.convert_element_type.default
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 VIEW = aten.view.default
 
 #: Ops that only reshape; the chain sees through those that keep the last dimension.
@@ -138,12 +144,22 @@ def is_merge_add(node, depth: int = 8) -> bool:
     )
 
 
+def is_upcast(node, source=None) -> bool:
+    """`source.to(float32)` for a 16-bit `source` (any node when None): exact, the float32 residual
+    stream's read of a 16-bit all-reduce."""
+    if not is_call(node, CAST) or node.args[1] != torch.float32 or (source is not None and node.args[0] is not source):
+        return False
+    before = val(node.args[0])
+    return before is not None and before.dtype in HALF_DTYPES
+
+
 def chain_values(graph: torch.fx.Graph) -> tuple[set[torch.fx.Node], list[torch.fx.Node]]:
-    """(reduced values, other adds that read one), the latter in graph order."""
+    """(reduced values, other adds that read one), the latter in graph order. A reduced value's float32
+    upcast counts as reduced (the float32 residual stream's `all_reduce(y).float() + residual`)."""
     reduced: set[torch.fx.Node] = set()
     adds: list[torch.fx.Node] = []
     for node in graph.nodes:
-        if is_summed_wait(node) or (
+        if is_summed_wait(node) or (is_upcast(node) and node.args[0] in reduced) or (
             is_call(node, ADD) and all(a in reduced and len(a.users) == 1 for a in node.args) and is_same_shape_add(node)
         ):
             reduced.add(node)
@@ -162,7 +178,8 @@ class RMSNormNodes:
     `computed`: the value its statistic is computed on (`hidden` or a cast of it); `eps`: the float or
     node added to the mean; `weight`: the weight operand (None: no weight multiply); `output`: the
     norm's result; `inner`: the nodes after `hidden` up to, not including, `output` (what a fused op
-    replaces besides the output).
+    replaces besides the output); `weight_in_fp32`: the weight multiplies the float32 norm before a
+    cast to another dtype (`(n * weight).to(dtype)`) rather than after it.
     """
 
     hidden: torch.fx.Node
@@ -171,6 +188,7 @@ class RMSNormNodes:
     weight: object
     output: torch.fx.Node
     inner: tuple[torch.fx.Node, ...]
+    weight_in_fp32: bool = False
 
 
 def users_calling(node: torch.fx.Node, target, first: torch.fx.Node | None = None) -> list[torch.fx.Node]:
@@ -184,8 +202,11 @@ def _is_last_dim_mean(mean: torch.fx.Node) -> bool:
     return list(mean.args[1]) == [-1] and keepdim is True
 
 
-def find_rmsnorm(hidden: torch.fx.Node) -> RMSNormNodes | None:
-    """The canonical RMSNorm over the last dimension that reads `hidden`, if there is one."""
+def find_rmsnorm(hidden: torch.fx.Node, cast_to: torch.dtype | None = None) -> RMSNormNodes | None:
+    """The canonical RMSNorm over the last dimension that reads `hidden`, if there is one.
+
+    Its result is cast back to `cast_to` (default: `hidden`'s dtype; a float32 residual stream's norm
+    is cast to the 16-bit activations' dtype)."""
     for computed in [hidden] + users_calling(hidden, CAST, hidden):
         for square in users_calling(computed, POW, computed):
             if square.args[1] != 2:
@@ -198,7 +219,7 @@ def find_rmsnorm(hidden: torch.fx.Node) -> RMSNormNodes | None:
                         for normalized in users_calling(inverse_rms, MUL):
                             if normalized.args == (computed, inverse_rms):
                                 statistic = (square, mean, add_eps, inverse_rms, normalized)
-                                return _with_weight(hidden, computed, statistic)
+                                return _with_weight(hidden, computed, statistic, cast_to)
     return None
 
 
@@ -210,25 +231,34 @@ def _weight_multiply(value: torch.fx.Node) -> tuple[torch.fx.Node, object] | Non
     return None
 
 
-def _with_weight(hidden: torch.fx.Node, computed: torch.fx.Node, statistic: tuple) -> RMSNormNodes:
-    """Complete a found statistic with the weight multiply and the cast back to `hidden`'s dtype."""
+def _with_weight(hidden: torch.fx.Node, computed: torch.fx.Node, statistic: tuple,
+                 cast_to: torch.dtype | None = None) -> RMSNormNodes:
+    """Complete a found statistic with the weight multiply and the cast back (to `cast_to`, by default
+    `hidden`'s dtype; a cast to another dtype when there is none to it, so a check can name it)."""
     normalized = statistic[-1]
     inner = ([computed] if computed is not hidden else []) + list(statistic)
-    dtype = val(hidden).dtype if val(hidden) is not None else None
-    casts_back = [c for c in users_calling(normalized, CAST, normalized) if c.args[1] == dtype]
-    weight, output = None, normalized
+    dtype = cast_to if cast_to is not None else (val(hidden).dtype if val(hidden) is not None else None)
+    casts_back = _casts_preferring(normalized, dtype)
+    weight, output, weight_in_fp32 = None, normalized, False
     if casts_back and _weight_multiply(casts_back[0]):  # n.to(dtype) * weight
         inner.append(casts_back[0])
         output, weight = _weight_multiply(casts_back[0])
     elif _weight_multiply(normalized):  # (n * weight).to(dtype), or n * weight when n has hidden's dtype
         output, weight = _weight_multiply(normalized)
-        later_casts = [c for c in users_calling(output, CAST, output) if c.args[1] == dtype]
-        if computed is not hidden and later_casts:
+        later_casts = _casts_preferring(output, dtype)
+        if (computed is not hidden or dtype != val(hidden).dtype) and later_casts:
             inner.append(output)
-            output = later_casts[0]
+            output, weight_in_fp32 = later_casts[0], True
     elif casts_back:
         output = casts_back[0]
-    return RMSNormNodes(hidden, computed, statistic[2].args[1], weight, output, tuple(inner))
+    return RMSNormNodes(hidden, computed, statistic[2].args[1], weight, output, tuple(inner), weight_in_fp32)
+
+
+def _casts_preferring(value: torch.fx.Node, dtype: torch.dtype | None) -> list[torch.fx.Node]:
+    """The casts of `value` (to another dtype than its own), those to `dtype` first."""
+    own = val(value).dtype if val(value) is not None else None
+    casts = [c for c in users_calling(value, CAST, value) if c.args[1] != own]
+    return sorted(casts, key=lambda c: c.args[1] != dtype)
 
 
 # ---------------------------------------------------------------- rewriting
@@ -374,6 +404,22 @@ class _Rewriter:
 
     # ---- adds and norm spellings
 
+    def upcast_promoted_adds(self, adds: Iterable[torch.fx.Node], reduced: set[torch.fx.Node]) -> None:
+        """`reduced + r32` with a 16-bit `reduced` (type promotion adds in float32) -> `reduced.to(float32)
+        + r32`: the same exact conversion, spelled as the float32 residual stream writes it."""
+        for add in adds:
+            out = val(add)
+            if out is None or out.dtype != torch.float32 or not is_same_shape_add(add):
+                continue
+            for index, operand in enumerate(add.args[:2]):
+                value = val(operand)
+                if operand in reduced and value is not None and value.dtype in HALF_DTYPES:
+                    cast = self.emit(CAST, (operand, torch.float32), before=add, meta_from=operand)
+                    if cast is not None:
+                        add.replace_input_with(operand, cast)
+                        reduced.add(cast)
+                        self.changes += 1
+
     def order_adds(self, adds: Iterable[torch.fx.Node], reduced: set[torch.fx.Node]) -> None:
         """`other + reduced` -> `reduced + other` (addition commutes exactly); of two reduced operands,
         the one read by nothing else comes first (the one a fused op can consume), and of two such, the
@@ -448,6 +494,7 @@ class _Rewriter:
             self.graph.erase_node(duplicate)
             self.changes += 1
         for inverse in inverses[:1]:
+            self._upcast_explicitly(inverse, computed)
             for user in users_calling(inverse, MUL):
                 if user.args in ((inverse, 1), (1, inverse), (inverse, 1.0), (1.0, inverse)):
                     user.replace_all_uses_with(inverse)
@@ -459,6 +506,18 @@ class _Rewriter:
                     self.changes += 1
                 if user.args == (computed, inverse):
                     self._weight_on_the_right(user)
+
+    def _upcast_explicitly(self, inverse: torch.fx.Node, computed: torch.fx.Node) -> None:
+        """`h * rsqrt(...)` with `h` 16-bit and `computed = h.to(float32)` -> `computed * rsqrt(...)`: type
+        promotion converts `h` to float32 exactly, so this is the same product."""
+        if not is_call(computed, CAST) or computed.args[1] != torch.float32:
+            return
+        source = computed.args[0]
+        for user in users_calling(inverse, MUL):
+            if len(user.args) == 2 and set(user.args) == {source, inverse} and source is not inverse \
+                    and val(user) is not None and val(user).dtype == torch.float32:
+                user.args = (computed, inverse)
+                self.changes += 1
 
     def _rsqrt_of(self, add_eps: torch.fx.Node, like: torch.fx.Node) -> torch.fx.Node:
         """The `rsqrt(add_eps)` node, made right after `add_eps` (valued like `like`) if there is none."""
@@ -534,6 +593,7 @@ def canonicalize(graph: torch.fx.Graph) -> int:
     rewriter = _Rewriter(graph)
     rewriter.hoist_reshapes()
     reduced, adds = chain_values(graph)
+    rewriter.upcast_promoted_adds(adds, reduced)
     rewriter.order_adds([node for node in graph.nodes if node in reduced and is_call(node, ADD)] + adds, reduced)
     hidden_values = reduced | set(adds)
     return rewriter.changes + canonicalize_norms(graph, [node for node in graph.nodes if node in hidden_values])

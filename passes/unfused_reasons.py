@@ -17,10 +17,11 @@ import torch
 import torch.fx
 
 from fxfuse.op.schema import FUSED_OPS
-from fxfuse.passes.allreduce_rmsnorm_fusion import INPUT_ROLES, enabled_patterns, kernel_refusal, site_refusal
+from fxfuse.passes.allreduce_rmsnorm_fusion import INPUT_ROLES, NormSpelling, enabled_patterns, kernel_refusal, site_refusal
 from fxfuse.passes.canonical_form import (
     ADD,
     CAST,
+    MUL,
     RMSNormNodes,
     canonicalize_norms,
     find_rmsnorm,
@@ -28,6 +29,7 @@ from fxfuse.passes.canonical_form import (
     is_reshape,
     is_same_shape_add,
     is_summed_wait,
+    is_upcast,
     keeps_last_dim,
     starts_norm,
     val,
@@ -60,21 +62,23 @@ def explain_unfused(collective: torch.fx.Node, config: PassConfig) -> str:
     if not enabled_patterns(config):
         return f"patterns {ALLREDUCE_RESIDUAL_RMSNORM} and {ALLREDUCE_RMSNORM} are disabled"
     reduced = waits[0]
-    adds = [user for user in reduced.users if is_call(user, ADD)]
-    candidates = [(reduced, None)] + [(add, _other_operand(add, reduced)) for add in adds]
-    for hidden, residual in candidates:
-        norm = find_rmsnorm(hidden)
+    upcasts = [user for user in reduced.users if is_upcast(user, reduced)]
+    adds = [(user, value) for value in [reduced, *upcasts] for user in value.users if is_call(user, ADD)]
+    candidates = [(reduced, None, reduced)] + [(add, _other_operand(add, value), value) for add, value in adds]
+    x_dtype = val(collective.args[0]).dtype if val(collective.args[0]) is not None else None
+    for hidden, residual, read in candidates:
+        norm = find_rmsnorm(hidden, x_dtype)
         if norm is not None:
-            return _fusion_blocker(collective, reduced, norm, residual, config)
-    return _missing_norm_reason(reduced, adds, config)
+            return _fusion_blocker(collective, reduced, norm, residual, config, read is not reduced)
+    return _missing_norm_reason(reduced, [add for add, value in adds if value is reduced], config)
 
 
 def _other_operand(add: torch.fx.Node, operand: torch.fx.Node):
     return add.args[1] if add.args[0] is operand else add.args[0]
 
 
-def _fusion_blocker(all_reduce, reduced, norm: RMSNormNodes, residual, config: PassConfig) -> str:
-    """The first reason the site `all_reduce -> (+ residual) -> norm` was not rewritten."""
+def _fusion_blocker(all_reduce, reduced, norm: RMSNormNodes, residual, config: PassConfig, upcast: bool = False) -> str:
+    """The first reason the site `all_reduce -> (upcast) -> (+ residual) -> norm` was not rewritten."""
     with_residual = norm.hidden is not reduced
     pattern = ALLREDUCE_RESIDUAL_RMSNORM if with_residual else ALLREDUCE_RMSNORM
     if not config.enabled(pattern):
@@ -86,7 +90,11 @@ def _fusion_blocker(all_reduce, reduced, norm: RMSNormNodes, residual, config: P
     if norm.weight is None:
         return f"the RMSNorm `{norm.output.name}` has no weight (the fused op multiplies by one)"
     eps = norm.eps if isinstance(norm.eps, (int, float)) else val(norm.eps)
-    refusal = site_refusal(val(all_reduce.args[0]), val(norm.weight), eps, val(residual), with_residual)
+    spelling = NormSpelling(weight_in_fp32=norm.weight_in_fp32, float32_residual=upcast)
+    output = val(norm.output)
+    refusal = site_refusal(val(all_reduce.args[0]), val(norm.weight), eps, val(residual), with_residual, spelling,
+                           output.dtype if output is not None else None,
+                           val(norm.hidden).dtype if val(norm.hidden) is not None else None)
     if refusal is None and not config.fuse_without_fast_kernel:
         refusal = kernel_refusal(val(all_reduce.args[0]), all_reduce.args[2])
     site = {all_reduce, reduced, norm.hidden, norm.output, *norm.inner}
@@ -98,8 +106,9 @@ def _fusion_blocker(all_reduce, reduced, norm: RMSNormNodes, residual, config: P
         return refusal
     if with_residual and len(reduced.users) > 1:
         return "the all-reduced value is also used apart from the residual add"
-    inside = set(norm.inner) | {reduced}
-    for node in ([reduced] if with_residual else []) + list(norm.inner):
+    upcasts = [user for user in reduced.users if is_upcast(user, reduced)] if upcast else []
+    inside = set(norm.inner) | {reduced, *upcasts}
+    for node in ([reduced, *upcasts] if with_residual else []) + list(norm.inner):
         for user in node.users:
             if user not in inside and user is not norm.output and user is not norm.hidden:
                 return _outside_use_reason(node, user)
@@ -175,7 +184,11 @@ def _missing_norm_reason(reduced: torch.fx.Node, adds: list[torch.fx.Node], conf
                     f"`{other.name}`" for other in value.users if other is not user)
             if is_call(user, CAST) and value is reduced and any(find_rmsnorm(a) for a in user.users if is_call(a, ADD)):
                 return (f"the all-reduced value ({_name(val(reduced).dtype)}) is cast to {_name(user.args[1])} by "
-                        f"`{user.name}` before the residual add: the fused op adds and norms in the all-reduced dtype")
+                        f"`{user.name}` before the residual add: the fused op adds in the all-reduced dtype, or in "
+                        "float32 (a float32 residual stream of 16-bit activations)")
+            if is_call(user, MUL) and _normed_soon(user):
+                return (f"`{user.name}` scales the all-reduced value before the RMSNorm: the fused op norms the sum "
+                        "itself (scaling each rank's part before the all-reduce would round differently)")
     for value in [reduced] + adds:
         if any(user.op == "output" for user in value.users):
             what = "the all-reduced value" if value is reduced else "the all-reduced value plus residual"

@@ -116,9 +116,10 @@ RMSNORMS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]]
     "reciprocal_sqrt": rmsnorm_reciprocal_sqrt,
     "power_minus_half": rmsnorm_power_minus_half,
 }
-#: Spellings that multiply by the weight after the cast back and use rsqrt, as the fused op does:
-#: bit-identical to it in every dtype.
-SAME_ROUNDING = ("transformers", "weight_on_right", "gpt_fast", "rsqrt_on_left", "eps_first_square")
+#: Spellings that use rsqrt, as the fused op does, and multiply by the weight after the cast back or
+#: in float32 before it (the op is told which): bit-identical to it in every dtype.
+SAME_ROUNDING = ("transformers", "weight_on_right", "gpt_fast", "rsqrt_on_left", "eps_first_square", "weight_in_fp32",
+                 "weight_in_fp32_left", "functional")
 
 # ---------------------------------------------------------------- all-reduce as users write it
 
