@@ -5,8 +5,9 @@ compilers to try, and one to three `Layer`s, each an all-reduce spelling (functi
 reshapes or a transpose, merged partial sums on one group or two, a max), a residual add spelling
 (either order, `alpha`, sub, in place, broadcast, a scalar, an fp32 residual, the all-reduced tensor
 itself), an RMSNorm spelling (upcasts, squares, means incl. float64 and over tokens, eps as 0, a float,
-a tensor, with `alpha`, computed late or from the sum, every inverse square root, weight orders and
-dtypes, `F.rms_norm`, a weight computed from the sum) and extra uses of intermediates or another
+a tensor, with `alpha`, computed late or from the sum, every inverse square root, a 16-bit value times
+a float32 inverse root, weight orders and dtypes, `F.rms_norm`, Gemma's `1 + w`, a norm cast to the
+activations' dtype (a float32 residual stream's), a weight computed from the sum) and extra uses of intermediates or another
 collective issued in between. `render(case)` writes it as a function `program(...)` (plain eager code:
 the reproduction printed for a failing case) and the inputs it takes; `make_inputs` builds them, per
 rank. `simpler(case)` lists smaller cases (a layer dropped, one choice set back to the plain spelling),
@@ -37,9 +38,10 @@ LAYER_CHOICES: dict[str, list[tuple[str, int]]] = {
     "eps": [("1e-06", 4), ("0.0", 1), ("1e-05", 1), ("0.5", 1), ("first", 1), ("tensor", 1), ("late", 1),
             ("alpha", 1), ("from_sum", 1)],
     "inverse": [("rsqrt", 5), ("one_over_sqrt", 1), ("power", 1), ("reciprocal", 1), ("divide", 1)],
-    "product": [("c_inv", 3), ("inv_c", 1)],
+    "product": [("c_inv", 3), ("inv_c", 1), ("promoted", 1)],
     "weighting": [("cast_then_weight", 4), ("weight_left", 2), ("type_as", 1), ("weight_in_fp32", 1),
-                  ("weight_in_fp32_left", 1), ("functional", 2), ("none", 1)],
+                  ("weight_in_fp32_left", 1), ("functional", 2), ("gemma", 1), ("weight_cast_first", 1),
+                  ("to_activation", 1), ("none", 1)],
     "weight": [("input", 8), ("fp32", 1), ("alias", 1), ("from_sum", 1)],
     "extra": [("none", 8), ("reduced", 1), ("variance", 1), ("inverse", 1), ("collective", 1), ("collective_other", 1)],
 }
@@ -305,13 +307,16 @@ def _norm(writer: _Writer, layer: Layer, i: int, hidden: int, dims: int) -> None
         inverse = {"rsqrt": f"torch.rsqrt({e})", "one_over_sqrt": f"1 / torch.sqrt({e})", "power": f"{e} ** -0.5",
                    "reciprocal": f"torch.reciprocal(torch.sqrt({e}))"}[layer.inverse]
         writer.line(f"i{i} = {inverse}")
-        normalized = f"({c} * i{i})" if layer.product == "c_inv" else f"(i{i} * {c})"
+        normalized = {"c_inv": f"({c} * i{i})", "inv_c": f"(i{i} * {c})", "promoted": f"({h} * i{i})"}[layer.product]
     writer.line(f"n{i} = " + {
         "cast_then_weight": f"{normalized}.to({h}.dtype) * {weight}",
         "weight_left": f"{weight} * {normalized}.to({h}.dtype)",
         "type_as": f"{normalized}.type_as({h}) * {weight}",
         "weight_in_fp32": f"({normalized} * {weight}).to({h}.dtype)",
         "weight_in_fp32_left": f"({weight} * {normalized}).to({h}.dtype)",
+        "gemma": f"({normalized} * (1.0 + {weight}.float())).type_as({h})",
+        "weight_cast_first": f"({normalized} * {weight}.float()).to({h}.dtype)",
+        "to_activation": f"({normalized} * {weight}).to({_dtype(writer.case.dtype)})",
         "none": f"{normalized}.to({h}.dtype)",
     }[layer.weighting])
     if layer.extra in ("reduced", "variance", "inverse"):
