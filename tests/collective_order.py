@@ -16,7 +16,8 @@ on the rewritten graph:
   completes its all-reduce before the next node, delays that collective anyway).
 
 `OrderCheckedBackend` is an `FxfuseBackend` that runs the check on every graph it rewrites and keeps the
-rewritten graphs.
+rewritten graphs; `compiled_like_eager` compiles a program with it and asserts its fused and merged
+counts and that its outputs equal eager exactly.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 import torch._functorch.config
 import torch._inductor.config
 import torch.fx
+from toy_graphs import compile_and_run
 
 from fxfuse.backend import FxfuseBackend
 from fxfuse.op.schema import FUSED_OPS
@@ -138,3 +140,18 @@ class OrderCheckedBackend(FxfuseBackend):
         super().rewrite(graph)
         order.check(graph)
         self.graphs.append(graph.owning_module)
+
+
+def compiled_like_eager(fn, *args, fused=0, merged=0, **compile_kwargs):
+    """Compile `fn` (collective order checked), assert the fused and merged counts and that every output
+    equals eager exactly (dtype included); return the rewritten graph."""
+    backend, outputs = compile_and_run(fn, *args, backend=OrderCheckedBackend(inner="eager"), **compile_kwargs)
+    ((gm,), (record,)) = backend.graphs, backend.records
+    assert (record.stats.fused, record.stats.merged) == (fused, merged)
+    gm.graph.lint()
+    expected = fn(*args)
+    for got, want in zip(outputs if isinstance(outputs, tuple) else (outputs,),
+                         expected if isinstance(expected, tuple) else (expected,), strict=True):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    return gm

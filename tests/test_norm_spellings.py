@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from collective_order import OrderCheckedBackend
-from toy_graphs import compile_and_run, fake_process_group
+from collective_order import compiled_like_eager
+from toy_graphs import fake_process_group
 
 from fxfuse.op.schema import NORM_OPS
 from fxfuse.passes.config import PassConfig
@@ -71,19 +71,10 @@ def promoted_weight_left(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def compiled(fn, *args, fused: int):
-    """Compile `fn` (collective order checked), assert the fused count and that every output equals
-    eager exactly (dtype included); return the fused op nodes of the rewritten graph."""
-    backend, outputs = compile_and_run(fn, *args, backend=OrderCheckedBackend(inner="eager"))
-    ((gm,), (record,)) = backend.graphs, backend.records
-    assert record.stats.fused == fused
-    gm.graph.lint()
-    expected = fn(*args)
-    for got, want in zip(outputs if isinstance(outputs, tuple) else (outputs,),
-                         expected if isinstance(expected, tuple) else (expected,), strict=True):
-        assert got.dtype == want.dtype
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-    nodes = [node for node in gm.graph.nodes if node.op == "call_function" and node.target in NORM_OPS]
-    return gm, nodes
+    """`compiled_like_eager` (collective order checked, outputs equal to eager exactly), then the rewritten
+    graph and its fused op nodes."""
+    gm = compiled_like_eager(fn, *args, fused=fused)
+    return gm, [node for node in gm.graph.nodes if node.op == "call_function" and node.target in NORM_OPS]
 
 
 def norm_arguments(node: torch.fx.Node) -> tuple:

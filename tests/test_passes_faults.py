@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from collective_order import CollectiveOrder, OrderCheckedBackend
-from toy_graphs import compile_and_run, fake_process_group, post_grad_graph
+from collective_order import CollectiveOrder, OrderCheckedBackend, compiled_like_eager
+from toy_graphs import fake_process_group, post_grad_graph
 
 from fxfuse.passes import canonical_form
 from fxfuse.passes.config import PassConfig
@@ -45,21 +45,6 @@ def normalized(h, eps=1e-6):
 
 def rmsnorm(h, w, eps=1e-6):
     return normalized(h, eps) * w
-
-
-def compiled_like_eager(fn, *args, fused=0, merged=0, **compile_kwargs):
-    """Compile `fn` (collective order checked), assert the fused and merged counts and that every output
-    equals eager exactly (dtype included); return the rewritten graph."""
-    backend, outputs = compile_and_run(fn, *args, backend=OrderCheckedBackend(inner="eager"), **compile_kwargs)
-    ((gm,), (record,)) = backend.graphs, backend.records
-    assert (record.stats.fused, record.stats.merged) == (fused, merged)
-    gm.graph.lint()
-    expected = fn(*args)
-    for got, want in zip(outputs if isinstance(outputs, tuple) else (outputs,),
-                         expected if isinstance(expected, tuple) else (expected,), strict=True):
-        assert got.dtype == want.dtype
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-    return gm
 
 
 def unfused_reasons(gm) -> list[str]:
