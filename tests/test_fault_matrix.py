@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from fault_fakes import FakeTrtllmKernels, patched, raising
+from native_helpers import build_native_library
 
 from fxfuse.runner.launch import run_on_ranks
 
@@ -280,16 +281,7 @@ def _native_build_fails_on_last_rank(ctx, native_cache: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_a_native_build_failing_on_one_rank_changes_no_collective(world_size, tmp_path):
-    from fxfuse.op.native_build import build, compiler, library_path
-
-    if compiler() is None:
-        pytest.skip("no C++ compiler on this machine")
-    os.environ["FXFUSE_NATIVE_CACHE"] = str(tmp_path)
-    try:
-        build(compiler(), library_path(compiler()))
-    finally:
-        del os.environ["FXFUSE_NATIVE_CACHE"]
-    results = run_on_ranks(_native_build_fails_on_last_rank, world_size, str(tmp_path), timeout_s=600)
+    results = run_on_ranks(_native_build_fails_on_last_rank, world_size, build_native_library(tmp_path), timeout_s=600)
     assert [r["installed"] for r in results] == [True] * (world_size - 1) + [False]
     assert [r["cpp_calls"] for r in results] == [2] * (world_size - 1) + [0]
     for r in results[1:]:
