@@ -237,7 +237,8 @@ def _with_weight(hidden: torch.fx.Node, computed: torch.fx.Node, statistic: tupl
     `hidden`'s dtype; a cast to another dtype when there is none to it, so a check can name it)."""
     normalized = statistic[-1]
     inner = ([computed] if computed is not hidden else []) + list(statistic)
-    dtype = cast_to if cast_to is not None else (val(hidden).dtype if val(hidden) is not None else None)
+    own = val(hidden).dtype if val(hidden) is not None else None
+    dtype = cast_to if cast_to is not None else own
     casts_back = _casts_preferring(normalized, dtype)
     weight, output, weight_in_fp32 = None, normalized, False
     if casts_back and _weight_multiply(casts_back[0]):  # n.to(dtype) * weight
@@ -246,7 +247,7 @@ def _with_weight(hidden: torch.fx.Node, computed: torch.fx.Node, statistic: tupl
     elif _weight_multiply(normalized):  # (n * weight).to(dtype), or n * weight when n has hidden's dtype
         output, weight = _weight_multiply(normalized)
         later_casts = _casts_preferring(output, dtype)
-        if (computed is not hidden or dtype != val(hidden).dtype) and later_casts:
+        if (computed is not hidden or dtype != own) and later_casts:
             inner.append(output)
             output, weight_in_fp32 = later_casts[0], True
     elif casts_back:
@@ -264,6 +265,20 @@ def _casts_preferring(value: torch.fx.Node, dtype: torch.dtype | None) -> list[t
 # ---------------------------------------------------------------- rewriting
 
 
+def emit_node(graph: torch.fx.Graph, target, args: tuple, *, before: torch.fx.Node, meta_from: torch.fx.Node) -> torch.fx.Node:
+    """A new `target(*args)` node before `before`, with its fake value (computed from its arguments'
+    under their fake mode: the op's own error if it rejects them) and `meta_from`'s `KEPT_META`."""
+    values = _meta_values(args)
+    fake_mode = detect_fake_mode([v for v in _flatten(values) if isinstance(v, torch.Tensor)])
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        value = target(*values)
+    with graph.inserting_before(before):
+        node = graph.call_function(target, args)
+    node.meta.update({k: meta_from.meta[k] for k in KEPT_META if k in meta_from.meta})
+    node.meta["val"] = value
+    return node
+
+
 class _Rewriter:
     """The canonicalizing rewrites of one graph; `changes` counts them."""
 
@@ -273,19 +288,11 @@ class _Rewriter:
         self.views_back: set[torch.fx.Node] = set()  # views made for old-shape users: never moved again
 
     def emit(self, target, args: tuple, *, before: torch.fx.Node, meta_from: torch.fx.Node) -> torch.fx.Node | None:
-        """A new `target(*args)` node before `before`, with its fake value; None if the op rejects the args."""
-        values = _meta_values(args)
-        fake_mode = detect_fake_mode([v for v in _flatten(values) if isinstance(v, torch.Tensor)])
+        """`emit_node`, or None if the op rejects the args."""
         try:
-            with fake_mode if fake_mode is not None else contextlib.nullcontext():
-                value = target(*values)
+            return emit_node(self.graph, target, args, before=before, meta_from=meta_from)
         except RuntimeError:
             return None
-        with self.graph.inserting_before(before):
-            node = self.graph.call_function(target, args)
-        node.meta.update({k: meta_from.meta[k] for k in KEPT_META if k in meta_from.meta})
-        node.meta["val"] = value
-        return node
 
     def emit_all(self, steps, before: torch.fx.Node) -> list[torch.fx.Node] | None:
         """Emit `(target, args_fn, meta_from)` steps in order (each `args_fn` gets the nodes made so

@@ -23,19 +23,17 @@ the recipe's, which equals the unfused code's on CPU.
 
 from __future__ import annotations
 
-import contextlib
 import operator
 from dataclasses import dataclass
 
 import torch
 import torch.fx
-from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxfuse.op.fp8_recipe import FP8_DTYPE, FP8_MAX, Fp8Recipe
 from fxfuse.op.fp8_schema import allreduce_residual_rmsnorm_fp8, allreduce_residual_rmsnorm_fp8_tensor_eps
 from fxfuse.op.schema import NORM_OPS, allreduce_residual_rmsnorm_tensor_eps
-from fxfuse.passes.canonical_form import CAST, DIV, KEPT_META, MUL, VIEW, is_call, val
+from fxfuse.passes.canonical_form import CAST, DIV, MUL, VIEW, emit_node, is_call, val
 from fxfuse.passes.config import FP8_EPILOGUE, PassConfig
 
 aten = torch.ops.aten
@@ -319,7 +317,7 @@ def _op(node: torch.fx.Node) -> str:
 def _rewrite(graph: torch.fx.Graph, fused: torch.fx.Node, normed: torch.fx.Node, match: Fp8Match) -> None:
     """Replace `fused` by the FP8 variant; the quantization's outputs read the new op's."""
     static_scale = match.static_scale
-    if static_scale is not None and not _before(static_scale, fused):
+    if static_scale is not None and not static_scale < fused:
         raise NotFused(f"the static FP8 scale `{static_scale.name}` is computed after the all-reduce")
     recipe = match.recipe
     hidden = val(normed).shape[-1]
@@ -337,8 +335,8 @@ def _rewrite(graph: torch.fx.Graph, fused: torch.fx.Node, normed: torch.fx.Node,
             for i, name, default in ((5, "weight_offset", 0.0), (6, "weight_in_fp32", False))]
     args = (*fused.args[:5], recipe.scaling, recipe.group_size, recipe.min_amax, recipe.scale_dtype, static_scale, return_normed,
             *norm, match.divisor)
-    new = _emit(graph, op, args, before=fused, meta_from=fused)
-    outputs = [_emit(graph, operator.getitem, (new, i), before=fused, meta_from=fused) for i in range(4)]
+    new = emit_node(graph, op, args, before=fused, meta_from=fused)
+    outputs = [emit_node(graph, operator.getitem, (new, i), before=fused, meta_from=fused) for i in range(4)]
     quantized, scales, residual_out, new_normed = outputs
     old_residual = _output(fused, 1)
     if old_residual is not None:
@@ -373,12 +371,6 @@ def _feed_chain(node: torch.fx.Node, inner: set) -> set | None:
     return chain
 
 
-def _before(a: torch.fx.Node, b: torch.fx.Node) -> bool:
-    for node in a.graph.nodes:
-        if node is a:
-            return True
-        if node is b:
-            return False
     return False
 
 
@@ -387,7 +379,7 @@ def _replace(graph: torch.fx.Graph, old: torch.fx.Node, new_value: torch.fx.Node
     target = val(old)
     source = new_value
     if list(val(new_value).shape) != list(target.shape):
-        source = _emit(graph, VIEW, (new_value, _view_sizes(target.shape)), before=_first_user(old), meta_from=old)
+        source = emit_node(graph, VIEW, (new_value, _view_sizes(target.shape)), before=min(old.users), meta_from=old)
     old.replace_all_uses_with(source)
 
 
@@ -395,21 +387,3 @@ def _view_sizes(shape) -> list | None:
     """`view` sizes for `shape` that name no symbol: -1 for its one symbolic dimension; None if it has more."""
     sizes = [d if isinstance(d, int) else -1 for d in shape]
     return sizes if sizes.count(-1) <= 1 else None
-
-
-def _first_user(node: torch.fx.Node) -> torch.fx.Node:
-    users = set(node.users)
-    return next(n for n in node.graph.nodes if n in users)
-
-
-def _emit(graph: torch.fx.Graph, target, args: tuple, *, before: torch.fx.Node, meta_from: torch.fx.Node) -> torch.fx.Node:
-    """A new `target(*args)` node before `before`, with its fake value."""
-    values = tuple(a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in args)
-    fake_mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)] + [v for x in values if isinstance(x, tuple) for v in x if isinstance(v, torch.Tensor)])
-    with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        value = target(*values)
-    with graph.inserting_before(before):
-        node = graph.call_function(target, args)
-    node.meta.update({k: meta_from.meta[k] for k in KEPT_META if k in meta_from.meta})
-    node.meta["val"] = value
-    return node
