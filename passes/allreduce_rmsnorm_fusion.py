@@ -48,7 +48,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxfuse.op.capability import fused_kernel_unavailable
 from fxfuse.op.schema import FUSED_OPS, NORM_OPS, allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps
-from fxfuse.passes.canonical_form import canonicalize
+from fxfuse.passes.canonical_form import canonicalize, val
 from fxfuse.passes.collective_placement import OriginalPlaces, late_input_refusal
 from fxfuse.passes.config import ALLREDUCE_RESIDUAL_RMSNORM, ALLREDUCE_RMSNORM, PassConfig
 from fxfuse.passes.norm_weight import take_weight_apart
@@ -197,29 +197,42 @@ def kernel_refusal(x: torch.Tensor, group_name: str) -> str | None:
     return fused_kernel_unavailable(x.device.type, x.dtype, world_size)
 
 
+def site_blocker(
+    all_reduce: torch.fx.Node, nodes, inputs: dict[str, object], eps: float | torch.Tensor | None, with_residual: bool,
+    spelling: NormSpelling, result_dtypes: tuple[torch.dtype | None, torch.dtype | None], kernel_group: str | None,
+) -> str | None:
+    """The first reason the fused op cannot replace a site, or None: `site_refusal`, then (when
+    `kernel_group` names the site's group) `kernel_refusal`, a keyword argument of `nodes` that changes
+    a value (`keyword_refusal`: the matcher ignores those), and an input the op could not read where the
+    all-reduce was (`late_input_refusal`). The pattern's extra check and `explain_unfused` both ask this.
+
+    `inputs`: the residual, weight and eps by `INPUT_ROLES` role (nodes or constants); `eps`: its value
+    (a float or a fake tensor); `result_dtypes`: those of the norm's result and the normed sum.
+    """
+    x = val(all_reduce.args[0])
+    refusal = site_refusal(x, val(inputs["RMSNorm weight"]), eps, val(inputs["residual"]), with_residual, spelling,
+                           *result_dtypes)
+    if refusal is None and kernel_group is not None:
+        refusal = kernel_refusal(x, kernel_group)
+    if refusal is None:
+        refusal = keyword_refusal(nodes)
+    if refusal is None:
+        refusal = late_input_refusal(all_reduce, set(nodes), inputs)
+    return refusal
+
+
 def fusible_site(match: Match, with_residual: bool, kernel_group: str | None = None, spelling: NormSpelling = PLAIN) -> bool:
-    """extra_check: the matched site is one the fused op reproduces (`site_refusal` is None) and, when
-    `kernel_group` names the site's group, one where a fused all-reduce kernel can run (`kernel_refusal`);
-    no matched node carries a keyword argument that changes its value (`keyword_refusal`: the matcher
-    ignores those), and the fused op can be issued where the all-reduce was (`late_input_refusal`).
+    """extra_check: `site_blocker` finds nothing against the matched site.
 
     `with_residual` says which pattern matched (1: True, 2: False): it is not read from the match,
     whose arguments can be pattern literals on some torch versions (a scalar "residual" among them).
     """
-    x = matched_tensor(match, "x")
-    normed, hidden = (node.meta.get("val") for node in match.output_nodes())
-    refusal = site_refusal(x, matched_tensor(match, "weight"), _matched_eps(match), matched_tensor(match, "residual"),
-                           with_residual, spelling, normed.dtype if isinstance(normed, torch.Tensor) else None,
-                           hidden.dtype if isinstance(hidden, torch.Tensor) else None)
-    if refusal is None and kernel_group is not None:
-        refusal = kernel_refusal(x, kernel_group)
-    if refusal is None:
-        refusal = keyword_refusal(match.nodes)
-    if refusal is None:
-        (all_reduce,) = [node for node in match.nodes if node.target is ALL_REDUCE]
-        inputs = {role: match.kwargs.get(name) for role, name in INPUT_ROLES.items()}
-        refusal = late_input_refusal(all_reduce, set(match.nodes), inputs)
-    return refusal is None
+    (all_reduce,) = [node for node in match.nodes if node.target is ALL_REDUCE]
+    inputs = {role: match.kwargs.get(name) for role, name in INPUT_ROLES.items()}
+    normed, hidden = (val(node) for node in match.output_nodes())
+    dtypes = (normed.dtype if normed is not None else None, hidden.dtype if hidden is not None else None)
+    return site_blocker(all_reduce, match.nodes, inputs, _matched_eps(match), with_residual, spelling, dtypes,
+                        kernel_group) is None
 
 
 def fused_call(x, residual, weight, eps, group_name: str, weight_in_fp32: bool = False):

@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from fxfuse.op.schema import FUSED_OPS
-from fxfuse.passes.allreduce_rmsnorm_fusion import INPUT_ROLES, NormSpelling, enabled_patterns, kernel_refusal, site_refusal
+from fxfuse.passes.allreduce_rmsnorm_fusion import INPUT_ROLES, NormSpelling, enabled_patterns, site_blocker
 from fxfuse.passes.canonical_form import (
     ADD,
     CAST,
@@ -34,9 +34,9 @@ from fxfuse.passes.canonical_form import (
     starts_norm,
     val,
 )
-from fxfuse.passes.collective_placement import collective_between, late_input_refusal
+from fxfuse.passes.collective_placement import collective_between
 from fxfuse.passes.config import ALLREDUCE_RESIDUAL_RMSNORM, ALLREDUCE_RMSNORM, MERGE_ALLREDUCE, PassConfig
-from fxfuse.passes.pattern_support import WAIT_TENSOR, changing_keyword, keyword_refusal, op_name
+from fxfuse.passes.pattern_support import WAIT_TENSOR, changing_keyword, op_name
 
 REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 
@@ -91,17 +91,11 @@ def _fusion_blocker(all_reduce, reduced, norm: RMSNormNodes, residual, config: P
         return f"the RMSNorm `{norm.output.name}` has no weight (the fused op multiplies by one)"
     eps = norm.eps if isinstance(norm.eps, (int, float)) else val(norm.eps)
     spelling = NormSpelling(weight_in_fp32=norm.weight_in_fp32, float32_residual=upcast)
-    output = val(norm.output)
-    refusal = site_refusal(val(all_reduce.args[0]), val(norm.weight), eps, val(residual), with_residual, spelling,
-                           output.dtype if output is not None else None,
-                           val(norm.hidden).dtype if val(norm.hidden) is not None else None)
-    if refusal is None and not config.fuse_without_fast_kernel:
-        refusal = kernel_refusal(val(all_reduce.args[0]), all_reduce.args[2])
-    site = {all_reduce, reduced, norm.hidden, norm.output, *norm.inner}
-    if refusal is None:
-        refusal = keyword_refusal(sorted(site))
-    if refusal is None:
-        refusal = late_input_refusal(all_reduce, site, dict(zip(INPUT_ROLES, (residual, norm.weight, norm.eps))))
+    dtypes = tuple(val(node).dtype if val(node) is not None else None for node in (norm.output, norm.hidden))
+    site = sorted({all_reduce, reduced, norm.hidden, norm.output, *norm.inner})
+    inputs = dict(zip(INPUT_ROLES, (residual, norm.weight, norm.eps)))
+    refusal = site_blocker(all_reduce, site, inputs, eps, with_residual, spelling, dtypes,
+                           None if config.fuse_without_fast_kernel else all_reduce.args[2])
     if refusal is not None:
         return refusal
     if with_residual and len(reduced.users) > 1:
