@@ -13,10 +13,10 @@ import re
 
 import pytest
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from collective_order import compiled_like_eager
 from toy_graphs import fake_process_group
+from toy_graphs import funcol_all_reduce as ar
 
 from fxfuse.op.schema import NORM_OPS
 from fxfuse.passes.config import PassConfig
@@ -32,10 +32,6 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 def group():
     with fake_process_group() as world:
         yield world
-
-
-def ar(x, group):
-    return funcol.all_reduce(x, "sum", group)
 
 
 def statistic(c: torch.Tensor) -> torch.Tensor:
