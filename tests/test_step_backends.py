@@ -1,14 +1,15 @@
-"""CPU tests of `fxfuse.runner.step_backends.compile_step`'s shape modes: a static-shape step runs with
+"""CPU tests of `fxfuse.runner.step_backends.compile_step`'s shape modes: every compiled step runs with
 dynamo's recompile limit raised (restored after every call), so one graph per width fits where
-`fullgraph=True` would otherwise fail at dynamo's default of 8 graphs; a dynamic-shape step is the
-compiled module itself."""
+`fullgraph=True` would otherwise fail at dynamo's default of 8 graphs, and a dynamic-shape step still
+compiles over a module that static steps already compiled many times (the model benchmark's
+`--dynamic both`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fxfuse.runner.step_backends import STATIC_RECOMPILE_LIMIT, _shapes, compile_step
+from fxfuse.runner.step_backends import RECOMPILE_LIMIT, _within_recompile_limit, compile_step
 
 
 class TinyStep(torch.nn.Module):
@@ -23,7 +24,7 @@ class TinyStep(torch.nn.Module):
         return self.head(self.embed(input_ids) * (1 + positions.unsqueeze(-1)))
 
 
-def test_a_static_step_runs_with_the_raised_limit_and_restores_it():
+def test_a_compiled_step_runs_with_the_raised_limit_and_restores_it():
     config = torch._dynamo.config
     before = config.recompile_limit
     seen = []
@@ -34,20 +35,18 @@ def test_a_static_step_runs_with_the_raised_limit_and_restores_it():
             raise RuntimeError("the step failed")
         return "out"
 
-    static = _shapes(step, dynamic=False)
-    assert static() == "out" and seen == [max(before, STATIC_RECOMPILE_LIMIT)] and config.recompile_limit == before
+    limited = _within_recompile_limit(step)
+    assert limited() == "out" and seen == [max(before, RECOMPILE_LIMIT)] and config.recompile_limit == before
     with pytest.raises(RuntimeError, match="the step failed"):
-        static(torch.zeros(1))
+        limited(torch.zeros(1))
     assert config.recompile_limit == before  # restored after a failure too
-    assert _shapes(step, dynamic=True) is step
 
 
 def test_the_shape_mode_reaches_torch_compile():
     model = TinyStep()
-    dynamic = compile_step(model, "inductor", dynamic=True)
-    assert isinstance(dynamic.step, torch._dynamo.eval_frame.OptimizedModule)  # the compiled module itself
-    static = compile_step(model, "fxfuse", inner="eager", dynamic=False)
-    assert static.step.__name__ == "static_step" and static.fxfuse_backend is not None
+    for backend, dynamic in (("inductor", True), ("fxfuse", False)):
+        compiled = compile_step(model, backend, inner="eager", dynamic=dynamic)
+        assert compiled.step.__name__ == "compiled_step" and (compiled.fxfuse_backend is not None) == (backend == "fxfuse")
     assert compile_step(model, "eager", dynamic=False).step is model
 
 
@@ -62,6 +61,13 @@ def test_a_static_step_compiles_one_graph_per_width_past_dynamos_default_limit()
         ids, positions = torch.randint(0, 32, (2, width)), torch.arange(width).expand(2, -1)
         torch.testing.assert_close(compiled.step(ids, positions), model(ids, positions))
     assert len(compiled.fxfuse_backend.records) == 10  # one graph per width
+    # then dynamic shapes over the same module, as `fxfuse bench model --dynamic both` compiles: before the
+    # limit covered dynamic steps too, this compile failed with FailOnRecompileLimitHit (seen on the H200)
+    dynamic = compile_step(model, "fxfuse", inner="eager", dynamic=True)
+    for width in (3, 5):
+        ids, positions = torch.randint(0, 32, (2, width)), torch.arange(width).expand(2, -1)
+        torch.testing.assert_close(dynamic.step(ids, positions), model(ids, positions))
+    assert len(dynamic.fxfuse_backend.records) == 1  # one graph serves both widths
     torch._dynamo.reset()
     plain = torch.compile(model, backend="eager", fullgraph=True, dynamic=False)
     with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):  # what the raised limit prevents

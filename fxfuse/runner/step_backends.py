@@ -7,8 +7,10 @@ compiler, Inductor or eager) whose records say what the fusion pass found
 loudly). `dynamic=True`: dynamic shapes, one graph serves many batch sizes and step widths (torch still
 specializes sizes of 1: a 1-token step or a batch of 1 gets its own graph). `dynamic=False`: static
 shapes, one graph per shape (Inductor's code for a fixed shape is faster; under CUDA graphs each
-captured width is compiled once), with dynamo's recompile limit raised to `STATIC_RECOMPILE_LIMIT`
-while the step runs. Which one a run uses: `fxfuse.runner.options.resolve_dynamic`.
+captured width is compiled once). Every compiled step runs with dynamo's recompile limit raised to
+`RECOMPILE_LIMIT`: the static graphs need it, and a dynamic-shape step compiled over a module that
+static steps already compiled (the model benchmark's `--dynamic both`) counts their graphs against
+the same limit. Which mode a run uses: `fxfuse.runner.options.resolve_dynamic`.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ import torch
 
 from fxfuse.runner.options import BACKENDS
 
-#: Graphs a static-shape step may compile for one module: one per shape (the runner's captured widths,
-#: the prefill and the verify step; the model benchmark's batch x width points for every backend and
-#: shape mode compiled over the same model), far above dynamo's default of 8, which `fullgraph=True`
+#: Graphs the steps may compile for one module: one per shape for static steps (the runner's captured
+#: widths, the prefill and the verify step; the model benchmark's batch x width points for every backend
+#: and shape mode compiled over the same model), far above dynamo's default of 8, which `fullgraph=True`
 #: turns into an error when it is reached.
-STATIC_RECOMPILE_LIMIT = 64
+RECOMPILE_LIMIT = 64
 
 
 @dataclass
@@ -56,30 +58,28 @@ def compile_step(model: torch.nn.Module, backend: str, fuse_without_fast_kernel:
     if backend == "eager":
         return CompiledStep(backend, model)
     if backend == "inductor":
-        return CompiledStep(backend, _shapes(torch.compile(model, backend="inductor", fullgraph=True, dynamic=dynamic), dynamic))
+        return CompiledStep(backend, _within_recompile_limit(torch.compile(model, backend="inductor", fullgraph=True, dynamic=dynamic)))
     if backend == "fxfuse":
         from fxfuse.backend import FxfuseBackend
 
         fxfuse_backend = FxfuseBackend(inner=inner, fuse_without_fast_kernel=fuse_without_fast_kernel)
         step = torch.compile(model, backend=fxfuse_backend, fullgraph=True, dynamic=dynamic)
-        return CompiledStep(backend, _shapes(step, dynamic), fxfuse_backend)
+        return CompiledStep(backend, _within_recompile_limit(step), fxfuse_backend)
     raise ValueError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
 
 
-def _shapes(step: Callable, dynamic: bool) -> Callable:
-    """`step` itself for dynamic shapes; for static shapes, `step` run with dynamo's recompile limit at
-    least `STATIC_RECOMPILE_LIMIT` (set for the call and restored after it: a few microseconds, nothing
-    next to a model step, and nothing at all for steps replayed from CUDA graphs)."""
-    if dynamic:
-        return step
+def _within_recompile_limit(step: Callable) -> Callable:
+    """`step` run with dynamo's recompile limit at least `RECOMPILE_LIMIT` (set for the call and
+    restored after it: a few microseconds, nothing next to a model step, and nothing at all for steps
+    replayed from CUDA graphs)."""
 
-    def static_step(*args: torch.Tensor) -> torch.Tensor:
+    def compiled_step(*args: torch.Tensor) -> torch.Tensor:
         config = torch._dynamo.config
         limit = config.recompile_limit
-        config.recompile_limit = max(limit, STATIC_RECOMPILE_LIMIT)
+        config.recompile_limit = max(limit, RECOMPILE_LIMIT)
         try:
             return step(*args)
         finally:
             config.recompile_limit = limit
 
-    return static_step
+    return compiled_step
