@@ -42,7 +42,7 @@ def test_defaults_sweep_every_quantization_and_both_shape_modes():
     assert args.tokens == DEFAULT_FALLBACK_TOKENS == tuple(2**i for i in range(13))
     assert args.hidden == (7168, 4096) and args.quant == list(FALLBACK_QUANT) == ["none", "group", "row", "tensor"]
     assert args.modes == list(FALLBACK_MODES) == ["static", "dynamic"]
-    assert (args.repeats, args.iters, args.time_budget_s) == (30, 20, None)
+    assert (args.repeats, args.iters, args.time_budget_s, args.input_sets) == (30, 20, None, 0)
     assert tuple(BLOCKS) == FALLBACK_QUANT  # one block per kind, in report order
     assert parse(["--quant", "row,tensor", "--modes", "static"]).quant == ["row", "tensor"]
 
@@ -53,6 +53,7 @@ def test_defaults_sweep_every_quantization_and_both_shape_modes():
     (["--modes", "fast"], "argument --modes: expected a comma-separated subset of static, dynamic, got 'fast'"),
     (["--time-budget-s", "0"], "argument --time-budget-s: must be a finite number above 0"),
     (["--tokens", "0"], "argument --tokens: each value must be between 1 and"),
+    (["--input-sets", "-1"], "argument --input-sets: must be at least 0 (got -1)"),
 ])
 def test_bad_options_are_one_error_line(argv, message, capsys):
     assert main(argv) == 2
@@ -193,6 +194,7 @@ def row(quant, dynamic, tokens, inductor_us, fused_us, ok=True, fp8=False):
     return {"tokens": tokens, "hidden": 7168, "quant": quant, "dynamic": dynamic, "ok": ok,
             "inductor_us": inductor_us, "inductor_p25": inductor_us, "inductor_p75": inductor_us,
             "fused_us": fused_us, "fused_p25": fused_us, "fused_p75": fused_us, "ratio": fused_us / inductor_us,
+            "input_sets": 10 if tokens < 1024 else 7,
             "check": {"inductor": dict(check, ok=True), "fxfuse": check},
             "fusion": {"allreduce_sites": 1, "fused_ops": fused_ops, "site_fused": True, "quant_fused": fp8}}
 
@@ -208,6 +210,7 @@ def fake_report():
               {"hidden": 7168, "quant": "row", "dynamic": False, "graphs": [rows[4]["fusion"]]}]
     return {"gpu": "NVIDIA H200", "stamp": "20261202-120000", "date": "2026-12-02T12:00:00+00:00",
             "command": "fxfuse bench fallback", "versions": {"torch": "2.11.0"}, "dtype": "bfloat16", "iters": 10,
+            "input_sets": 0, "l2_bytes": 50 << 20,
             "repeats": 20, "time_budget_s": 400.0, "native_fallback": True, "rows": rows, "fusion": fusion,
             "host_cost": [], "op_parts": [], "first_call_s": 12.0, "wall_s": 40.0,
             "skipped": [{"tokens": 4096, "hidden": 7168, "quant": "row", "dynamic": False}]}
@@ -256,3 +259,26 @@ def test_markdown_has_a_table_per_quantization_and_mode():
     assert "quantization fused into the op: yes, in every graph" in text
     assert "| 7168 | 1024 | 24.00 (24.00-24.00) | 30.00 (30.00-30.00) | 1.250 | FAILED fxfuse: " in text
     assert "| 7168 | 2048 | - | - | - | ERROR: RuntimeError: lowering failed |" in text
+    assert ("- inputs: the calls cycled through 7-10 copies of input and residual per point (--input-sets 0: enough "
+            "to cover twice the L2 cache of 50 MiB, at most 10; 1 = L2-hot)") in text
+    older = fake_report()
+    del older["input_sets"]
+    assert "- inputs: every captured call read the same inputs (L2-hot)" in markdown(older)
+
+
+def test_calls_cycle_through_enough_input_copies_to_miss_the_l2_cache():
+    """Auto (0): copies of input and residual until those between two uses of one copy cover twice the L2
+    cache, within 1..iters; a count asked for is taken as it is. The calls take the copies in turn."""
+    from fxfuse.bench.fallback import cycling_call, input_set_count
+
+    l2 = 50 << 20
+    point = lambda tokens, hidden: block_inputs("none", tokens, hidden, CPU)  # noqa: E731
+    assert input_set_count(point(1024, 4096), 0, 20, l2) == 7  # 16 MiB of input and residual per copy
+    assert input_set_count(point(4096, 7168), 0, 20, l2) == 1  # 112 MiB: one copy already covers twice L2
+    assert input_set_count(point(1, 4096), 0, 20, l2) == 20  # tiny: as many as there are calls
+    assert input_set_count(point(1024, 4096), 3, 20, l2) == 3
+    seen = []
+    call = cycling_call(lambda *args: seen.append(args), [("a",), ("b",), ("c",)], "group")
+    for _ in range(5):
+        call()
+    assert seen == [("a", "group"), ("b", "group"), ("c", "group"), ("a", "group"), ("b", "group")]

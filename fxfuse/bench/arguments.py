@@ -163,6 +163,11 @@ def add_fallback_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=at_least(1), default=20, help="calls captured in one CUDA graph (default 20)")
     p.add_argument("--host-calls", type=at_least(1), default=200,
                    help="uncaptured calls timed for the host cost (default 200)")
+    p.add_argument("--input-sets", type=at_least(0), default=0,
+                   help="copies of each point's inputs that successive captured calls cycle through, so that a call "
+                        "reads inputs no recent call left in the GPU's L2 cache, as in a model, where a layer's weights "
+                        "pass through L2 between two sites; 0 (default): enough copies to cover twice the L2 cache, at "
+                        "most --iters; 1: every call reads the same inputs (L2-hot; earlier reports)")
     p.add_argument("--time-budget-s", type=positive_float, default=None,
                    help="start no new point after this many seconds; the rest are listed as skipped (default: no budget)")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR,

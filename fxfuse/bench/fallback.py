@@ -14,7 +14,12 @@ Shape modes: `static` (`dynamic=False`: one compile per token count, as engines 
 graph per width compile) and `dynamic` (`dynamic=True`: one graph for every count above 1, where
 Inductor's own code is slower). Both variants are captured in CUDA graphs of `--iters` calls and
 replayed in interleaved rounds; each point reports the median (and p25/p75) over `--repeats` samples
-in microseconds per call, and the ratio fxfuse / inductor. Every point checks both variants against a
+in microseconds per call, and the ratio fxfuse / inductor. The captured calls cycle through copies of
+the point's input and residual (`--input-sets`; by default enough to cover twice the L2 cache), so that
+no call reads what the previous one left in L2: in a model the layers' weights stream through L2
+between two sites. With one set (the earlier reports), points whose data about fills L2 (1024 tokens
+on an H200) measured whichever variant the cache happened to favour: 1.165 in one run and 0.88 in
+the next for the same point. Every point checks both variants against a
 float32 reference (`fallback_blocks.check_outputs`: FP8 outputs dequantized, within one e4m3 step;
 scales within `SCALE_TOLERANCE`), and records what the fxfuse backend fused in each graph it compiled
 (its fused-op nodes, and whether the quantization went into the op: `allreduce_residual_rmsnorm_fp8`).
@@ -35,6 +40,8 @@ fusion, host_cost, op_parts, skipped) and .md (`fxfuse.bench.fallback_report`).
 
 from __future__ import annotations
 
+import itertools
+import math
 import sys
 import time
 import traceback
@@ -52,6 +59,8 @@ from fxfuse.runner.launch import run_on_ranks
 #: The fused op's overloads by name as graph snapshots count them; the FP8 variant where it exists.
 NORM_OP = "fxfuse.allreduce_residual_rmsnorm"
 FP8_OP = "fxfuse.allreduce_residual_rmsnorm_fp8"
+#: L2 size assumed where torch does not report it (above every current GPU's, so more input copies, never fewer).
+UNKNOWN_L2_BYTES = 128 << 20
 #: Variant -> the prefix of its fields in the rows (`inductor_us`, `fused_us`, ...).
 FIELD = {"inductor": "inductor", "fxfuse": "fused"}
 
@@ -63,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     if status is not None:
         return status
     options = {name: list(dict.fromkeys(getattr(args, name))) for name in ("tokens", "hidden", "quant", "modes")}
-    options.update(repeats=args.repeats, iters=args.iters, host_calls=args.host_calls, time_budget_s=args.time_budget_s)
+    options.update(repeats=args.repeats, iters=args.iters, host_calls=args.host_calls, time_budget_s=args.time_budget_s,
+                   input_sets=args.input_sets)
     report = run_on_ranks(bench_rank, 1, options, device="cuda", timeout_s=1800)[0]
     publish(report, "fallback", argv, lambda r: write_result_files(
         args.out_dir / file_stem(r), r, markdown(r), lambda path: False), markdown)
@@ -167,6 +177,7 @@ def bench_rank(ctx, options: dict) -> dict:
 
     started = time.monotonic()
     device = torch.device("cuda", torch.cuda.current_device())
+    options = {**options, "l2_bytes": l2_cache_bytes(device)}
     group_name = ctx.group.group_name
     rows, fusion, host_rows, parts, skipped = [], [], [], [], []
     for hidden in options["hidden"]:
@@ -197,6 +208,8 @@ def bench_rank(ctx, options: dict) -> dict:
         "versions": package_versions(("triton", "flashinfer-python")) | {"nccl": ".".join(map(str, torch.cuda.nccl.version()))},
         "dtype": "bfloat16",
         "iters": options["iters"],
+        "input_sets": options["input_sets"],
+        "l2_bytes": options["l2_bytes"],
         "repeats": options["repeats"],
         "time_budget_s": options["time_budget_s"],
         "native_fallback": native_installed(),
@@ -224,11 +237,35 @@ def _measured_point(variants: Variants, point: dict, device, group_name: str, op
         return {**point, "ok": False, "error": f"{type(exc).__name__}: {message}"[:300]}, None
 
 
+def l2_cache_bytes(device: torch.device) -> int:
+    """The GPU's L2 cache size in bytes (`UNKNOWN_L2_BYTES` where torch does not say)."""
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or UNKNOWN_L2_BYTES)
+
+
+def input_set_count(inputs, requested: int, iters: int, l2_bytes: int) -> int:
+    """How many copies of a point's inputs the captured calls cycle through: `requested` when above 0,
+    else enough that the inputs of the calls between two uses of one copy cover twice `l2_bytes` (so a
+    call finds none of its inputs left in L2 by an earlier one), at most `iters`, at least 1."""
+    if requested > 0:
+        return requested
+    streamed = sum(t.numel() * t.element_size() for t in inputs[:2])  # input and residual; weight and scale are shared
+    return max(1, min(iters, math.ceil(2 * l2_bytes / max(1, streamed))))
+
+
+def cycling_call(fn: Callable, input_sets: list[tuple], group_name: str) -> Callable[[], object]:
+    """A zero-argument call of `fn` that takes the next of `input_sets` each time (in capture order)."""
+    turn = itertools.count()
+    return lambda: fn(*input_sets[next(turn) % len(input_sets)], group_name)
+
+
 def _time_point(variants: dict, inputs, group_name: str, options: dict) -> dict:
-    """Medians (and quartiles) of CUDA-graph replays of `iters` calls, variants interleaved per round."""
-    timings = replay_timings({name: (lambda fn=fn: fn(*inputs, group_name)) for name, fn in variants.items()},
+    """Medians (and quartiles) of CUDA-graph replays of `iters` calls, variants interleaved per round; the
+    calls cycle through `input_set_count` copies of the inputs (the streamed ones cloned, the rest shared)."""
+    count = input_set_count(inputs, options["input_sets"], options["iters"], options["l2_bytes"])
+    input_sets = [inputs] + [tuple(t.clone() for t in inputs[:2]) + tuple(inputs[2:]) for _ in range(count - 1)]
+    timings = replay_timings({name: cycling_call(fn, input_sets, group_name) for name, fn in variants.items()},
                              options["repeats"], options["iters"])
-    out = {}
+    out = {"input_sets": count}
     for name, (median, q1, q3) in timings.items():
         out.update({f"{FIELD[name]}_us": median, f"{FIELD[name]}_p25": q1, f"{FIELD[name]}_p75": q3})
     out["ratio"] = out["fused_us"] / out["inductor_us"]

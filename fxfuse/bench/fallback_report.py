@@ -135,6 +135,18 @@ def _table(report: dict[str, Any], quant: str, dynamic: bool) -> list[str]:
     return lines
 
 
+def _input_sets_line(report: dict[str, Any]) -> str:
+    """How many copies of the inputs the captured calls cycled through, and why."""
+    if "input_sets" not in report:  # reports from before the copies: one set
+        return "every captured call read the same inputs (L2-hot)"
+    counts = sorted({r["input_sets"] for r in report["rows"] if "input_sets" in r})
+    chosen = ("--input-sets 0: enough to cover twice the L2 cache of "
+              f"{report['l2_bytes'] / (1 << 20):.0f} MiB, at most {report['iters']}") if report["input_sets"] == 0 else f"--input-sets {report['input_sets']}"
+    spread = "-" if not counts else str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    return (f"the calls cycled through {spread} copies of input and residual per point "
+            f"({chosen}; 1 = L2-hot)")
+
+
 def _range(value: tuple[float, float] | None) -> str:
     return "-" if value is None else f"{value[0]:.3f}-{value[1]:.3f}"
 
@@ -145,6 +157,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = header_lines(f"fxfuse bench fallback: {report['gpu']}, one-rank NCCL group, {report['dtype']}", report) + [
         f"- timing: CUDA-graph replay of {report['iters']} calls, median (p25-p75) of {report['repeats']} samples, "
         "microseconds per call; variants interleaved; ratio = fxfuse / Inductor",
+        f"- inputs: {_input_sets_line(report)}",
         "- variants: `inductor` = torch.compile(backend=\"inductor\"); `fxfuse` = "
         "FxfuseBackend(fuse_without_fast_kernel=True): the site fused, the op on its NCCL fallback",
         f"- check, both variants at every point, against float32: bf16 outputs within {BF16_TOLERANCE:g} relative L2, "

@@ -218,6 +218,7 @@ def test_the_fallback_sweep_checks_times_and_records_every_point(tmp_path):
     assert points == [(q, d, t) for q in ("none", "group", "row", "tensor") for d in (False, True) for t in (1, 64)]
     for row in report["rows"]:
         assert row["ok"] and row["fused_us"] > 0 and row["inductor_us"] > 0 and row["fusion"]["site_fused"], row
+        assert row["input_sets"] == 2  # tiny inputs: one copy per captured call
     graphs = {(f["quant"], f["dynamic"]): len(f["graphs"]) for f in report["fusion"]}
     assert set(graphs.values()) == {2}  # static: one per token count; dynamic: 1 token, then the rest
     assert [(h["dynamic"], h["hidden"]) for h in report["host_cost"]] == [(False, 4096), (True, 4096)]
