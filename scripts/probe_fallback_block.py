@@ -51,8 +51,8 @@ def parts(tokens: int, hidden: int, group, inputs) -> dict:
     """Replay medians (us) of the fallback's parts alone at this point."""
     from fxfuse.op import add_rmsnorm_kernel as kernel
 
-    inp, residual, weight = inputs[:3]
-    x = (2 * inp).contiguous()
+    inp, residual, weight, proj = inputs[:4]
+    x = inp @ proj
     calls = {"nccl_all_reduce_inplace": lambda: torch.distributed.all_reduce(x, group=group)}
     residual_out, normed = torch.empty_like(x), torch.empty_like(x)
     original = kernel.num_warps_for

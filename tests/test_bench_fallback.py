@@ -273,8 +273,8 @@ def test_calls_cycle_through_enough_input_copies_to_miss_the_l2_cache():
 
     l2 = 50 << 20
     point = lambda tokens, hidden: block_inputs("none", tokens, hidden, CPU)  # noqa: E731
-    assert input_set_count(point(1024, 4096), 0, 20, l2) == 7  # 16 MiB of input and residual per copy
-    assert input_set_count(point(4096, 7168), 0, 20, l2) == 1  # 112 MiB: one copy already covers twice L2
+    assert input_set_count(point(1024, 4096), 0, 20, l2) == 13  # 8.25 MiB of input and residual per copy
+    assert input_set_count(point(4096, 7168), 0, 20, l2) == 2  # 57 MiB per copy
     assert input_set_count(point(1, 4096), 0, 20, l2) == 20  # tiny: as many as there are calls
     assert input_set_count(point(1024, 4096), 3, 20, l2) == 3
     seen = []

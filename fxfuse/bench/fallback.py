@@ -248,7 +248,7 @@ def input_set_count(inputs, requested: int, iters: int, l2_bytes: int) -> int:
     call finds none of its inputs left in L2 by an earlier one), at most `iters`, at least 1."""
     if requested > 0:
         return requested
-    streamed = sum(t.numel() * t.element_size() for t in inputs[:2])  # input and residual; weight and scale are shared
+    streamed = sum(t.numel() * t.element_size() for t in inputs[:2])  # input and residual (`block_inputs`)
     return max(1, min(iters, math.ceil(2 * l2_bytes / max(1, streamed))))
 
 
@@ -294,8 +294,8 @@ def _fallback_parts_us(hidden: int, device, group_name: str, calls: int) -> dict
 
     python_kernel = torch.ops.fxfuse.allreduce_residual_rmsnorm_planned.default
     norm_op = torch.ops.fxfuse.add_rmsnorm_into.default  # the norm launch as the C++ fallback makes it without its own launch
-    inp, residual, weight = block_inputs("none", 1, hidden, device)
-    buffer, out_a, out_b = inp.clone(), torch.empty_like(inp), torch.empty_like(inp)
+    _, residual, weight, _ = block_inputs("none", 1, hidden, device)
+    buffer, out_a, out_b = residual.clone(), torch.empty_like(residual), torch.empty_like(residual)
     all_reduce_, wait = torch.ops._c10d_functional.all_reduce_.default, torch.ops._c10d_functional.wait_tensor.default
     timings = interleaved_wall_us({
         "allreduce_wait": lambda: wait(all_reduce_(buffer, "sum", group_name)),

@@ -130,10 +130,15 @@ def test_one_rank_nccl_fallback_eager_donated_and_replayed():
 
 
 def _block_on(group_name: str):
-    """`fxfuse bench fallback`'s block (producer, all-reduce, residual add, RMSNorm) on one group."""
-    from fxfuse.bench.fallback_blocks import block
+    """Producer `2 * inp`, all-reduce on one group, residual add, transformers-style RMSNorm."""
+    import torch.distributed._functional_collectives as funcol
 
-    return lambda inp, residual, weight: block(inp, residual, weight, group_name)
+    def block(inp, residual, weight):
+        hidden = funcol.all_reduce(inp * 2, "sum", group_name) + residual
+        h = hidden.float()
+        return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(hidden.dtype), hidden
+
+    return block
 
 
 def compiled_block_checks(ctx) -> dict:
