@@ -13,7 +13,9 @@
 #   kernel    fxfuse bench kernel --world-size 2 (ranks share the GPU: correctness only)
 # The first FlashInfer use JIT-compiles its kernels (trtllm_comm about 2 minutes, the PCIe all-reduce
 # about 15 s). NVLink multicast stays off in every process (DEVICE.md).
-# Usage (device tool, carry [".whl072"]): WHEELS=.whl072 PARTS="tests" scripts/gpu_check.sh
+# Usage (device tool, carry [".whl072s"]): WHEELS=.whl072s PARTS="tests" scripts/gpu_check.sh, where .whl072s holds
+#        apache-tvm-ffi and the FlashInfer 0.7.2.post1 wheel trimmed by scripts/trim_flashinfer_wheel.py (the whole
+#        wheel with the tree is over the 64 MiB a call carries)
 #        PARTS=quantbench scripts/gpu_check.sh   (alone in one call: it takes up to 9 of the call's 10 minutes;
 #        QUANT_FLAGS="--hidden 4096" or "--quant group,row" to split the sweep over calls)
 set -uo pipefail
