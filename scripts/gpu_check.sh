@@ -65,10 +65,11 @@ if [[ " $PARTS " == *" quantbench "* ]]; then
     --out-dir "$OUT" 2>&1 | tee "$OUT/quantbench.log" || status=1
 fi
 if [[ " $PARTS " == *" model "* ]]; then
+  # MODEL_FLAGS last, so that its --tokens / --batch / --backends replace the defaults here
   # shellcheck disable=SC2086  # MODEL_FLAGS is a word list
-  timeout "$BENCH_TIMEOUT_S" python3 -m fxfuse --verbose bench model --tp 1 --single-rank-collectives --layers "$MODEL_LAYERS" $MODEL_FLAGS \
+  timeout "$BENCH_TIMEOUT_S" python3 -m fxfuse --verbose bench model --tp 1 --single-rank-collectives --layers "$MODEL_LAYERS" \
     --tokens 1,4,16 --batch 1,8 --backends inductor,fxfuse --repeats 15 --iters 5 --time-budget-s $((BENCH_TIMEOUT_S - 60)) \
-    --out-dir "$OUT" 2>&1 | tee "$OUT/model.log" || status=1
+    --out-dir "$OUT" $MODEL_FLAGS 2>&1 | tee "$OUT/model.log" || status=1
 fi
 if [[ " $PARTS " == *" kernel "* ]]; then
   timeout "$BENCH_TIMEOUT_S" python3 -m fxfuse.bench.kernel --world-size 2 --tokens 1,16,128 --graph-iters 5 --repeats 3 \
