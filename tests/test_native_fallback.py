@@ -170,7 +170,7 @@ def test_norm_kernels_compiled_before_the_installation_are_registered_by_it(monk
 _COMPILE_AND_REPORT = """
 import os, torch, torch.distributed as dist
 import fxfuse.backend
-from fxfuse.bench.fallback_blocks import block
+from fxfuse.bench.fallback_blocks import PRODUCER_K, block
 from fxfuse.op.native_fallback import native_installed
 dist.init_process_group("gloo", init_method="file://" + os.environ["STORE"], rank=0, world_size=1)
 seen, really_on_cuda = [], fxfuse.backend.fused_sites_on_cuda
@@ -180,9 +180,9 @@ def on_cuda(graph):  # CPU tensors here: answer as for a CUDA graph, so the pass
 fxfuse.backend.fused_sites_on_cuda = on_cuda
 group_name = dist.group.WORLD.group_name
 backend = fxfuse.backend.FxfuseBackend(fuse_without_fast_kernel=True)
-x, residual, weight = torch.randn(4, 64), torch.randn(4, 64), torch.randn(64)
-out = torch.compile(block, backend=backend, fullgraph=True)(x, residual, weight, group_name)
-torch.testing.assert_close(out, block(x, residual, weight, group_name))
+x, residual, weight, proj = torch.randn(4, PRODUCER_K), torch.randn(4, 64), torch.randn(64), torch.randn(PRODUCER_K, 64)
+out = torch.compile(block, backend=backend, fullgraph=True)(x, residual, weight, proj, group_name)
+torch.testing.assert_close(out, block(x, residual, weight, proj, group_name))
 print(backend.records[-1].stats.fused, seen, native_installed())
 """
 
