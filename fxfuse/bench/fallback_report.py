@@ -140,9 +140,15 @@ def _input_sets_line(report: dict[str, Any]) -> str:
     if "input_sets" not in report:  # reports from before the copies: one set
         return "every captured call read the same inputs (L2-hot)"
     counts = sorted({r["input_sets"] for r in report["rows"] if "input_sets" in r})
-    chosen = ("--input-sets 0: enough to cover twice the L2 cache of "
-              f"{report['l2_bytes'] / (1 << 20):.0f} MiB, at most {report['iters']}") if report["input_sets"] == 0 else f"--input-sets {report['input_sets']}"
-    spread = "-" if not counts else str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    if report["input_sets"] == 0:
+        chosen = (f"--input-sets 0: enough to cover twice the L2 cache of {report['l2_bytes'] / (1 << 20):.0f} MiB, "
+                  f"at most {report['iters']}")
+    else:
+        chosen = f"--input-sets {report['input_sets']}"
+    if not counts:
+        spread = "-"
+    else:
+        spread = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     return (f"the calls cycled through {spread} copies of input and residual per point "
             f"({chosen}; 1 = L2-hot)")
 
