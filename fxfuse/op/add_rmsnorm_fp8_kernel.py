@@ -64,15 +64,17 @@ def _kernel():
         mask = cols < hidden
         offsets = row * hidden + cols
         if NORMALIZE:
-            reduced = tl.load(reduced_ptr + offsets, mask=mask, other=0.0)
+            # The cache hints of fxfuse.op.add_rmsnorm_kernel (rows read once, the weight by every program,
+            # the residual streamed past L2).
+            reduced = tl.load(reduced_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_first")
             summed = reduced
             if HAS_RESIDUAL:
-                residual = tl.load(residual_ptr + offsets, mask=mask, other=0.0)
+                residual = tl.load(residual_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_first")
                 summed = reduced.to(residual.dtype) + residual
-            tl.store(residual_out_ptr + offsets, summed, mask=mask)
+            tl.store(residual_out_ptr + offsets, summed, mask=mask, cache_modifier=".cs")
             h = summed.to(tl.float32)
             variance = tl.sum(tl.sum(h * h, axis=1), axis=0) / hidden
-            weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+            weight = tl.load(weight_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last")
             if WEIGHT_IN_FP32:
                 normed = (h * tl.rsqrt(variance + eps) * (weight.to(tl.float32) + WEIGHT_OFFSET)).to(reduced.dtype)
             else:
