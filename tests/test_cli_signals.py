@@ -65,12 +65,20 @@ def running(pid: int) -> bool:
         return False
 
 
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT at its default disposition, as in a terminal's foreground job.
+    A test run started in the background (`pytest &` from a script) inherits SIGINT ignored, and a
+    Python started with SIGINT ignored keeps ignoring it, as POSIX shells intend for background jobs."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_run_and_wait_for_ranks(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
-    """`python -m fxfuse run` in its own session, once rank 0 reports that it builds the model: the
-    process and its rank processes."""
+    """`python -m fxfuse run` in its own session, with Ctrl-C's default disposition, once rank 0 reports
+    that it builds the model: the process and its rank processes."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "fxfuse", "run", "--steps", "64"], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=_default_sigint)
     deadline = time.monotonic() + START_DEADLINE_S
     seen = ""
     while "building tiny" not in seen and time.monotonic() < deadline and proc.poll() is None:
