@@ -55,8 +55,8 @@ def kernels_per_call(fn, calls: int) -> list[dict]:
 
 @functools.cache
 def _hinted_kernel():
-    """The op's add-RMSNorm row kernel with cache hints as constexprs (loads of the reduced and residual
-    rows, store of the residual), to try hints against the op's kernel (which gives none)."""
+    """The op's add-RMSNorm row kernel (plain norm) with the cache hints of the rows' loads and of the
+    residual's store as constexprs, to try other hints against the op's own (evict-first, `.cs`)."""
     import triton
     import triton.language as tl
 
