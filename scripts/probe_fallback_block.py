@@ -6,10 +6,10 @@ replayed in CUDA graphs (interleaved, medians) with the calls cycling through co
 benchmark does (--input-sets), and profiled uncaptured with torch.profiler: every GPU kernel each variant
 launches per call, with its mean device time. Then (no quantization, static shapes) the parts, each call
 starting with the producer GEMM into one buffer: the in-place NCCL all-reduce, the op's add-RMSNorm kernel
-at 4/8/16/32 warps, the same kernel with other cache hints (rows' loads evict-first or not, residual
-store streaming or not, 8 or 16 warps) and Inductor's add + RMSNorm without the all-reduce; the op's
-compiled kernels' registers, spills and warps. One GPU; prints JSON lines and, with --out, writes them
-all to one JSON file.
+at 4/8/16/32 warps and Inductor's add + RMSNorm without the all-reduce; the op's compiled kernels'
+registers, spills and warps. (The version of 2c5076d also timed a copy of the kernel under other cache
+hints: how the op's own hints were chosen, bench/results/gpu_check_20261202c/probe_block_gemm_static.json.)
+One GPU; prints JSON lines and, with --out, writes them all to one JSON file.
 
 Usage: python scripts/probe_fallback_block.py [--hidden 4096,7168] [--quant none,tensor] [--tokens 1024] [--dynamic]
        [--input-sets 0]
@@ -18,14 +18,13 @@ Usage: python scripts/probe_fallback_block.py [--hidden 4096,7168] [--quant none
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import json
 from collections import defaultdict
 
 import torch
 
-from fxfuse.bench.fallback import Variants, checked_point, cycling_call, input_set_count, l2_cache_bytes
+from fxfuse.bench.fallback import Variants, checked_point, cycling_call, input_copies, input_set_count, l2_cache_bytes
 from fxfuse.bench.fallback_blocks import EPS
 from fxfuse.bench.replay import replay_timings
 from fxfuse.runner.launch import run_on_ranks
@@ -53,32 +52,6 @@ def kernels_per_call(fn, calls: int) -> list[dict]:
             for name in sorted(totals, key=totals.get, reverse=True)]
 
 
-@functools.cache
-def _hinted_kernel():
-    """The op's add-RMSNorm row kernel (plain norm) with the cache hints of the rows' loads and of the
-    residual's store as constexprs, to try other hints against the op's own (evict-first, `.cs`)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def add_rmsnorm_rows_hinted(reduced_ptr, residual_ptr, weight_ptr, residual_out_ptr, normed_ptr, hidden, eps,
-                                BLOCK: tl.constexpr, LOAD_EVICT: tl.constexpr, STORE_CACHE: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < hidden
-        offsets = row * hidden + cols
-        reduced = tl.load(reduced_ptr + offsets, mask=mask, other=0.0, eviction_policy=LOAD_EVICT)
-        residual = tl.load(residual_ptr + offsets, mask=mask, other=0.0, eviction_policy=LOAD_EVICT)
-        summed = reduced + residual
-        tl.store(residual_out_ptr + offsets, summed, mask=mask, cache_modifier=STORE_CACHE)
-        h = summed.to(tl.float32)
-        variance = tl.sum(h * h, axis=0) / hidden
-        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last")
-        tl.store(normed_ptr + offsets, weight * (h * tl.rsqrt(variance + eps)).to(summed.dtype), mask=mask)
-
-    return add_rmsnorm_rows_hinted
-
-
 def parts(tokens: int, hidden: int, group, input_sets) -> dict:
     """Replay medians (us) of the fallback's parts at this point, each call cycling through `input_sets`
     and starting with the producer GEMM into one buffer x, as the compiled blocks do."""
@@ -87,7 +60,6 @@ def parts(tokens: int, hidden: int, group, input_sets) -> dict:
     weight, proj = input_sets[0][2], input_sets[0][3]
     x = input_sets[0][0] @ proj
     residual_out, normed = torch.empty_like(x), torch.empty_like(x)
-    block = kernel.next_power_of_2(hidden)
 
     def cycling(body):
         turn = itertools.count()
@@ -106,13 +78,6 @@ def parts(tokens: int, hidden: int, group, input_sets) -> dict:
             kernel._DIRECT.clear()
             kernel.add_rmsnorm_into(x, residual, weight, EPS, residual_out, normed)
         calls[f"gemm_op_norm_w{warps}"] = cycling(norm)
-    for evict in ("evict_first", ""):
-        for store in (".cs", ""):
-            for warps in (8, 16):
-                def hinted(residual, evict=evict, store=store, warps=warps):
-                    _hinted_kernel()[(tokens,)](x, residual, weight, residual_out, normed, hidden, EPS,
-                                                block, evict, store, num_warps=warps)
-                calls[f"gemm_hinted_{evict or 'none'}_{store or 'none'}_w{warps}"] = cycling(hinted)
 
     def chain(x, residual, weight):
         h = x + residual
@@ -126,15 +91,15 @@ def parts(tokens: int, hidden: int, group, input_sets) -> dict:
         for call in calls.values():
             call()
         timings = {name: round(t[0], 2) for name, t in replay_timings(calls, 15, 20).items()}
-        timings["op_norm_kernels"] = kernels_per_call(calls["gemm_op_norm_w16"], CALLS_PROFILED)
+        timings["op_norm_kernels"] = kernels_per_call(calls["gemm_op_norm_w8"], CALLS_PROFILED)  # the default at 4096 and 7168
         timings["inductor_add_norm_kernels"] = kernels_per_call(calls["gemm_inductor_add_norm"], CALLS_PROFILED)
     finally:
         kernel.num_warps_for = original
         kernel._DIRECT.clear()
         kernel.add_rmsnorm_into(x, input_sets[0][1], weight, EPS, residual_out, normed)  # re-offer the default kernel
     from fxfuse.op.native_fallback import _NORM_KERNELS
-    timings["op_kernel_registers"] = {str(key[1]): [compiled.n_regs, compiled.n_spills, compiled.metadata.num_warps]
-                                      for key, (compiled, _) in _NORM_KERNELS.items()}
+    timings["op_kernel_registers"] = {str(key[1]): [norm.n_regs, norm.n_spills, norm.metadata.num_warps]
+                                      for key, (norm, _) in _NORM_KERNELS.items()}
     return timings
 
 
@@ -153,7 +118,7 @@ def probe_rank(ctx, options: dict) -> list[dict]:
             for tokens in options["tokens"]:
                 row, inputs = checked_point(variants, tokens, hidden, device, group_name)
                 count = input_set_count(inputs, options["input_sets"], 20, l2_cache_bytes(device))
-                input_sets = [inputs] + [tuple(t.clone() for t in inputs[:2]) + tuple(inputs[2:]) for _ in range(count - 1)]
+                input_sets = input_copies(inputs, count)
                 row["input_sets"] = count
                 calls = {name: cycling_call(fn, input_sets, group_name) for name, fn in variants.current.items()}
                 timings = replay_timings(calls, 15, 20)

@@ -268,8 +268,9 @@ def test_markdown_has_a_table_per_quantization_and_mode():
 
 def test_calls_cycle_through_enough_input_copies_to_miss_the_l2_cache():
     """Auto (0): copies of input and residual until those between two uses of one copy cover twice the L2
-    cache, within 1..iters; a count asked for is taken as it is. The calls take the copies in turn."""
-    from fxfuse.bench.fallback import cycling_call, input_set_count
+    cache, within 1..iters; a count asked for is taken as it is. The copies clone input and residual and
+    share the rest; the calls take them in turn."""
+    from fxfuse.bench.fallback import cycling_call, input_copies, input_set_count
 
     l2 = 50 << 20
     point = lambda tokens, hidden: block_inputs("none", tokens, hidden, CPU)  # noqa: E731
@@ -282,3 +283,9 @@ def test_calls_cycle_through_enough_input_copies_to_miss_the_l2_cache():
     for _ in range(5):
         call()
     assert seen == [("a", "group"), ("b", "group"), ("c", "group"), ("a", "group"), ("b", "group")]
+    inputs = block_inputs("tensor", 4, 256, CPU)
+    copies = input_copies(inputs, 3)
+    assert len(copies) == 3 and copies[0] is inputs
+    for copy in copies[1:]:
+        assert all(c is not t and torch.equal(c, t) for c, t in zip(copy[:2], inputs[:2]))  # streamed: cloned
+        assert all(c is t for c, t in zip(copy[2:], inputs[2:]))  # weight, proj, inverse scale: shared

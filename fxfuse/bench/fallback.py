@@ -252,6 +252,12 @@ def input_set_count(inputs, requested: int, iters: int, l2_bytes: int) -> int:
     return max(1, min(iters, math.ceil(2 * l2_bytes / max(1, streamed))))
 
 
+def input_copies(inputs: tuple, count: int) -> list[tuple]:
+    """`inputs` and `count - 1` copies of it with the streamed tensors (input, residual) cloned and the
+    rest (weight, proj, scale) shared."""
+    return [inputs] + [tuple(t.clone() for t in inputs[:2]) + tuple(inputs[2:]) for _ in range(count - 1)]
+
+
 def cycling_call(fn: Callable, input_sets: list[tuple], group_name: str) -> Callable[[], object]:
     """A zero-argument call of `fn` that takes the next of `input_sets` each time (in capture order)."""
     turn = itertools.count()
@@ -260,9 +266,9 @@ def cycling_call(fn: Callable, input_sets: list[tuple], group_name: str) -> Call
 
 def _time_point(variants: dict, inputs, group_name: str, options: dict) -> dict:
     """Medians (and quartiles) of CUDA-graph replays of `iters` calls, variants interleaved per round; the
-    calls cycle through `input_set_count` copies of the inputs (the streamed ones cloned, the rest shared)."""
+    calls cycle through `input_set_count` copies of the inputs (`input_copies`)."""
     count = input_set_count(inputs, options["input_sets"], options["iters"], options["l2_bytes"])
-    input_sets = [inputs] + [tuple(t.clone() for t in inputs[:2]) + tuple(inputs[2:]) for _ in range(count - 1)]
+    input_sets = input_copies(inputs, count)
     timings = replay_timings({name: cycling_call(fn, input_sets, group_name) for name, fn in variants.items()},
                              options["repeats"], options["iters"])
     out = {"input_sets": count}
