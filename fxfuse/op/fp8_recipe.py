@@ -2,25 +2,35 @@
 
 In FP8 serving the normed activations go straight into an e4m3 quantization for the next GEMM. The
 fusion pass (`fxfuse.passes.fp8_epilogue`) folds such a quantization into the fused op
-(`fxfuse::allreduce_residual_rmsnorm_fp8`), described by an `Fp8Recipe` that records everything the
-unfused code's rounding depends on:
-- `per_group`: per token and group of `group_size` consecutive values (DeepSeek-V3's block-FP8
-  activations, group 128; a last, partial group as zero padding makes it): `scale = max(amax(|x|), min_amax) / 448`, `q = e4m3(clamp(x / scale))`
-  (clamped to +-448; the divisor 448 is the op's `scale_divisor` argument, a graph value when
-  `torch.compile(dynamic=True)` made the constant one),
-  scales `[..., hidden / group_size]`;
-- `per_row`: the same over the whole row (torchao's dynamic PerRow), scales `[..., 1]`;
-- `static_mul` / `static_div`: one calibrated float32 scale tensor: `q = e4m3(clamp(x * s))` or
-  `e4m3(clamp(x / s))`, no scales returned.
-`x` is the normed output upcast to float32. For the dynamic scalings `scale_dtype` is the dtype in
-which `amax` and `amax / 448` are computed: float32 when the code upcast first (DeepSeek, this
-project's models), the activation dtype when it did not (torchao computes the scale on the bf16
-tensor, then casts it to float32). `min_amax` 0.0 means no clamp. `quantize_fp8` is the arithmetic
-every kernel reproduces; on CPU it is bit-identical to the unfused torch code.
+(`fxfuse::allreduce_residual_rmsnorm_fp8`), described by an `Fp8Recipe` that records every choice the
+unfused code's rounding depends on. With `x` the normed output upcast to float32 (exactly):
+- `per_group` (per token and group of `group_size` consecutive values: DeepSeek-V3's block-FP8
+  activations, group 128; a last, partial group is zero padding's) and `per_row` (the whole row, one
+  group: torchao's PerRow, vLLM's per-token) compute a dynamic scale per group, in this order:
+  1. `amax`, the maximum of |x| over the group (exact in any float dtype; NaN if a value is NaN);
+  2. `max(amax, min_amax)` when `min_amax` > 0 (a lower bound on the maximum: DeepSeek's 1e-4,
+     SGLang's eps; the bound as the graph's dtype rounds it);
+  3. `amax / divisor` (448; the op's `scale_divisor` argument, a graph value when
+     `torch.compile(dynamic=True)` made the constant one), rounded to `scale_dtype` (float32, or
+     the activation dtype when the code never upcast: torchao);
+  4. `max(scale, min_scale)` when `min_scale` > 0 (a lower bound on the scale itself: vLLM's
+     1 / (448 * 512)), in `scale_dtype` (the bound rounded to it, as torch's clamp rounds it);
+  5. `power_of_two`: `none`, or the scale rounded to a power of two, `2 ** ceil(log2(s))` (UE8M0
+     scales of DeepSeek-V3.1 and vLLM), `floor` or `nearest` (`round`, half to even: torchao's
+     e8m0), each step rounded to `scale_dtype`; then the scale as float32;
+  6. `x / scale`, or `x * (1 / scale)` when `reciprocal` (vLLM's `scale.reciprocal()`; the reciprocal
+     rounded to float32 once);
+  scales `[..., ceil(hidden / group_size)]` or `[..., 1]`.
+- `static_mul` / `static_div`: one calibrated float32 scale tensor: `x * s` or `x / s`, no scales.
+Then the values are clamped to +-448 when `saturate` (the code's clamp), else cast as torch casts them:
+from torch 2.13 on its cast saturates to +-448 too, before it |v| >= 464 becomes NaN ([448, 464) rounds
+to 448 in both); `cast_saturates()` says which the installed torch does. `quantize_fp8` is the arithmetic every kernel
+reproduces (NaN where the unfused code has NaN); on CPU it is the unfused torch code's, bit for bit.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +39,8 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 SCALINGS = ("per_group", "per_row", "static_mul", "static_div")
 DYNAMIC_SCALINGS = ("per_group", "per_row")
+POWER_OF_TWO_ROUNDINGS = ("none", "ceil", "floor", "nearest")
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -39,12 +51,21 @@ class Fp8Recipe:
     group_size: int = 0
     min_amax: float = 0.0
     scale_dtype: torch.dtype = torch.float32
+    min_scale: float = 0.0
+    power_of_two: str = "none"
+    reciprocal: bool = False
+    saturate: bool = True
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
             raise ValueError(f"FP8 scaling {self.scaling!r}: expected one of {', '.join(SCALINGS)}")
         if self.scaling == "per_group" and self.group_size < 1:
             raise ValueError(f"per_group FP8 scaling needs a positive group size, got {self.group_size}")
+        if self.power_of_two not in POWER_OF_TWO_ROUNDINGS:
+            raise ValueError(f"FP8 power-of-two rounding {self.power_of_two!r}: expected one of "
+                             f"{', '.join(POWER_OF_TWO_ROUNDINGS)}")
+        if not self.dynamic and (self.min_amax or self.min_scale or self.power_of_two != "none" or self.reciprocal):
+            raise ValueError(f"{self.scaling} FP8 scaling takes no scale arithmetic (bounds, power of two, reciprocal)")
 
     @property
     def dynamic(self) -> bool:
@@ -55,7 +76,7 @@ class Fp8Recipe:
         """Scales per row: ceil(hidden / group_size) for per_group (a last, partial group counts its
         values only, as zero padding does), 1 for per_row, 0 for static scalings."""
         if self.scaling == "per_group":
-            return -(-hidden // self.group_size)
+            return (hidden + self.group_size - 1) // self.group_size  # vLLM's spelling: one symbolic form under dynamic=True
         return 1 if self.scaling == "per_row" else 0
 
     def refusal(self, hidden) -> str | None:
@@ -63,9 +84,26 @@ class Fp8Recipe:
         `hidden` is checked when the op runs)."""
         if self.scaling == "per_group" and self.group_size & (self.group_size - 1):
             return f"the FP8 group size {self.group_size} is not a power of two"
-        if self.dynamic and self.scale_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if self.dynamic and self.scale_dtype not in SCALE_DTYPES:
             return f"the FP8 scale is computed in {self.scale_dtype}"
         return None
+
+    def describe(self) -> str:
+        """The recipe in a few words, for reports: e.g. `per_group 128, scale >= 4.36e-06, power of two (ceil)`."""
+        words = [self.scaling + (f" {self.group_size}" if self.scaling == "per_group" else "")]
+        if self.min_amax:
+            words.append(f"max >= {self.min_amax:.3g}")
+        if self.dynamic and self.scale_dtype != torch.float32:
+            words.append(f"scale in {str(self.scale_dtype).removeprefix('torch.')}")
+        if self.min_scale:
+            words.append(f"scale >= {self.min_scale:.3g}")
+        if self.power_of_two != "none":
+            words.append(f"power-of-two scale ({self.power_of_two})")
+        if self.reciprocal:
+            words.append("times the scale's reciprocal")
+        if not self.saturate:
+            words.append("no clamp")
+        return ", ".join(words)
 
 
 def check_fp8_arguments(normed_shape: torch.Size, recipe: Fp8Recipe, static_scale: torch.Tensor | None,
@@ -90,6 +128,35 @@ def scale_shape(normed_shape: torch.Size, recipe: Fp8Recipe) -> list:
     return [*normed_shape[:-1], recipe.groups(normed_shape[-1])] if recipe.dynamic else [0]
 
 
+@functools.cache
+def cast_saturates() -> bool:
+    """Whether the installed torch casts a float32 beyond e4m3's range to +-448 (torch >= 2.13) rather
+    than to NaN."""
+    return float(torch.tensor(1e4).to(FP8_DTYPE).float()) == FP8_MAX
+
+
+@functools.cache
+def rounded_to(value: float, dtype: torch.dtype) -> float:
+    """`value` as the nearest `dtype` number (a clamp bound as torch rounds it to the clamped tensor's dtype)."""
+    return float(torch.tensor(value, dtype=dtype))
+
+
+_POWER_OF_TWO_EXPONENT = {"ceil": torch.ceil, "floor": torch.floor, "nearest": torch.round}
+
+
+def dynamic_scales(amax: torch.Tensor, recipe: Fp8Recipe, divisor: float = FP8_MAX) -> torch.Tensor:
+    """Steps 2-5 of the module docstring: float32 scales from the group maxima `amax` (any float dtype)."""
+    amax = amax.float()
+    if recipe.min_amax:
+        amax = amax.clamp_min(recipe.min_amax)
+    scale = amax.to(recipe.scale_dtype) / divisor
+    if recipe.min_scale:
+        scale = scale.clamp_min(recipe.min_scale)
+    if recipe.power_of_two != "none":
+        scale = torch.exp2(_POWER_OF_TWO_EXPONENT[recipe.power_of_two](torch.log2(scale)))
+    return scale.float()
+
+
 def quantize_fp8(normed: torch.Tensor, recipe: Fp8Recipe, static_scale: torch.Tensor | None = None,
                  divisor: float = FP8_MAX) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 values shaped like `normed`, float32 scales of `scale_shape`) in the recipe's arithmetic;
@@ -98,16 +165,16 @@ def quantize_fp8(normed: torch.Tensor, recipe: Fp8Recipe, static_scale: torch.Te
     x = normed.float()
     if not recipe.dynamic:
         scaled = x * static_scale if recipe.scaling == "static_mul" else x / static_scale
-        return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), x.new_empty(0)
+        return _to_fp8(scaled, recipe), x.new_empty(0)
     hidden = normed.shape[-1]
     size = recipe.group_size if recipe.scaling == "per_group" else hidden
     padding = (-hidden) % size  # a partial last group, zero padded (zeros change no maximum)
-    grouped_shape = (*normed.shape[:-1], (hidden + padding) // size, size)
-    source = x if recipe.scale_dtype == torch.float32 else normed.to(recipe.scale_dtype)
-    amax = torch.nn.functional.pad(source, (0, padding)).view(grouped_shape).abs().amax(-1)
-    if recipe.min_amax:
-        amax = amax.clamp_min(recipe.min_amax)
-    scale = (amax / divisor).float()
-    grouped = torch.nn.functional.pad(x, (0, padding)).view(grouped_shape)
-    quantized = (grouped / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    grouped = torch.nn.functional.pad(x, (0, padding)).view(*normed.shape[:-1], (hidden + padding) // size, size)
+    scale = dynamic_scales(grouped.abs().amax(-1), recipe, divisor)
+    divided = grouped * scale.reciprocal().unsqueeze(-1) if recipe.reciprocal else grouped / scale.unsqueeze(-1)
+    quantized = _to_fp8(divided, recipe)
     return quantized.view(*normed.shape[:-1], hidden + padding)[..., :hidden], scale
+
+
+def _to_fp8(scaled: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
+    return (scaled.clamp(-FP8_MAX, FP8_MAX) if recipe.saturate else scaled).to(FP8_DTYPE)

@@ -2,12 +2,13 @@
 
 `allreduce_residual_rmsnorm_fp8(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name,
 str scaling, int group_size, float min_amax, ScalarType scale_dtype, Tensor? static_scale,
-bool return_normed, float weight_offset=0., bool weight_in_fp32=False, Tensor? scale_divisor=None)
+bool return_normed, float weight_offset=0., bool weight_in_fp32=False, Tensor? scale_divisor=None,
+float min_scale=0., str power_of_two="none", bool reciprocal=False, bool saturate=True)
 -> (Tensor quantized, Tensor scales, Tensor residual_out, Tensor normed)`
 
 is `allreduce_residual_rmsnorm` (same first five arguments, same `residual_out`, same `normed`
 arithmetic) followed by the FP8 e4m3 quantization of `normed` that `fxfuse.op.fp8_recipe.Fp8Recipe(
-scaling, group_size, min_amax, scale_dtype)` describes: `quantized` has x's shape, `scales` is
+scaling, group_size, min_amax, scale_dtype, min_scale, power_of_two, reciprocal, saturate)` describes: `quantized` has x's shape, `scales` is
 float32 `[..., groups]` for the dynamic scalings (empty for static ones, whose `static_scale` the
 caller already holds); a dynamic scale is the group maximum over `scale_divisor` (448 when None; a
 0-dim CPU tensor where `torch.compile(dynamic=True)` made the constant a graph input). `normed` itself is returned only when `return_normed` (something else reads
@@ -34,7 +35,8 @@ from fxfuse.op.reference import NORM_ARGUMENTS, check_arguments
 FP8_OP_NAME = "fxfuse::allreduce_residual_rmsnorm_fp8"
 _RESULTS = "(Tensor quantized, Tensor scales, Tensor residual_out, Tensor normed)"
 _QUANT_ARGUMENTS = ("str scaling, int group_size, float min_amax, ScalarType scale_dtype, Tensor? static_scale, bool return_normed, "
-                    f"{NORM_ARGUMENTS}, Tensor? scale_divisor=None")
+                    f"{NORM_ARGUMENTS}, Tensor? scale_divisor=None, float min_scale=0., str power_of_two=\"none\", bool reciprocal=False, "
+                    "bool saturate=True")
 #: Overload name -> its arguments' schema.
 FP8_OVERLOADS = {
     "default": f"(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name, {_QUANT_ARGUMENTS})",
@@ -42,8 +44,11 @@ FP8_OVERLOADS = {
     "donate_x": f"(Tensor(a!) x, Tensor? residual, Tensor weight, float eps, str group_name, {_QUANT_ARGUMENTS})",
     "donate_x_tensor_eps": f"(Tensor(a!) x, Tensor? residual, Tensor weight, Tensor eps, str group_name, {_QUANT_ARGUMENTS})",
 }
-#: Names of the quantization arguments, after the first five.
-QUANT_ARGUMENT_NAMES = ("scaling", "group_size", "min_amax", "scale_dtype", "static_scale", "return_normed")
+#: Every argument after the first five, in schema order, with its default (None: required).
+_LATER_ARGUMENTS = (("scaling", None), ("group_size", None), ("min_amax", None), ("scale_dtype", None),
+                    ("static_scale", None), ("return_normed", None), ("weight_offset", 0.0), ("weight_in_fp32", False),
+                    ("scale_divisor", None), ("min_scale", 0.0), ("power_of_two", "none"), ("reciprocal", False),
+                    ("saturate", True))
 
 
 def _qualified(overload: str) -> str:
@@ -56,8 +61,31 @@ for _overload, _arguments in FP8_OVERLOADS.items():
     torch.library.define(f"fxfuse::{_qualified(_overload)}", f"{_arguments} -> {_RESULTS}")
 
 
-def _recipe(scaling, group_size, min_amax, scale_dtype) -> Fp8Recipe:
-    return Fp8Recipe(scaling, group_size, min_amax, scale_dtype)
+def recipe_arguments(recipe: Fp8Recipe) -> dict:
+    """The op's keyword arguments that carry `recipe`."""
+    return {"scaling": recipe.scaling, "group_size": recipe.group_size, "min_amax": recipe.min_amax,
+            "scale_dtype": recipe.scale_dtype, "min_scale": recipe.min_scale, "power_of_two": recipe.power_of_two,
+            "reciprocal": recipe.reciprocal, "saturate": recipe.saturate}
+
+
+def argument(node_args: tuple, node_kwargs: dict, name: str):
+    """Argument `name` (one after the first five) of a call of the FP8 op, given positionally, by keyword
+    or left at its default."""
+    names = [n for n, _ in _LATER_ARGUMENTS]
+    index = 5 + names.index(name)
+    if len(node_args) > index:
+        return node_args[index]
+    return node_kwargs.get(name, dict(_LATER_ARGUMENTS)[name])
+
+
+def recipe_of(node_args: tuple, node_kwargs: dict) -> Fp8Recipe:
+    """The recipe a call of the FP8 op (an FX node's args and kwargs) quantizes with."""
+    fields = ("scaling", "group_size", "min_amax", "scale_dtype", "min_scale", "power_of_two", "reciprocal", "saturate")
+    return Fp8Recipe(*(argument(node_args, node_kwargs, name) for name in fields))
+
+
+def _recipe(scaling, group_size, min_amax, scale_dtype, min_scale, power_of_two, reciprocal, saturate) -> Fp8Recipe:
+    return Fp8Recipe(scaling, group_size, min_amax, scale_dtype, min_scale, power_of_two, reciprocal, saturate)
 
 
 def scale_divisor_value(scale_divisor: torch.Tensor | None) -> float:
@@ -65,10 +93,9 @@ def scale_divisor_value(scale_divisor: torch.Tensor | None) -> float:
     return FP8_MAX if scale_divisor is None else float(scale_divisor)
 
 
-def _cpu_fp8_kernel(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale,
-                    return_normed, weight_offset, weight_in_fp32, scale_divisor, x_donated: bool):
+def _cpu_fp8_kernel(x, residual, weight, eps, group_name, recipe: Fp8Recipe, static_scale, return_normed, weight_offset,
+                    weight_in_fp32, scale_divisor, x_donated: bool):
     """Reference: the plain op's CPU kernel, then `quantize_fp8` of its normed output."""
-    recipe = _recipe(scaling, group_size, min_amax, scale_dtype)
     check_fp8_arguments(x.shape, recipe, static_scale, x.device)
     normed, residual_out = allreduce_residual_rmsnorm_cpu(x, residual, weight, eps, group_name, x_donated, weight_offset,
                                                           weight_in_fp32)
@@ -77,10 +104,11 @@ def _cpu_fp8_kernel(x, residual, weight, eps, group_name, scaling, group_size, m
 
 
 def _fake_fp8_kernel(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale,
-                     return_normed, weight_offset=0.0, weight_in_fp32=False, scale_divisor=None):
+                     return_normed, weight_offset=0.0, weight_in_fp32=False, scale_divisor=None, min_scale=0.0,
+                     power_of_two="none", reciprocal=False, saturate=True):
     """Shapes only (works with SymInts); the arguments are checked as the real kernels check them."""
     check_arguments(x, residual, weight, weight_in_fp32)
-    recipe = _recipe(scaling, group_size, min_amax, scale_dtype)
+    recipe = _recipe(scaling, group_size, min_amax, scale_dtype, min_scale, power_of_two, reciprocal, saturate)
     check_fp8_arguments(x.shape, recipe, static_scale, x.device)
     contiguous = torch.contiguous_format
     return (torch.empty_like(x, dtype=FP8_DTYPE, memory_format=contiguous),
@@ -105,13 +133,16 @@ def _register(overload: str) -> None:
     donated = overload.startswith("donate_x")
 
     def cpu(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale, return_normed,
-            weight_offset=0.0, weight_in_fp32=False, scale_divisor=None):
-        return _cpu_fp8_kernel(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype,
-                               static_scale, return_normed, weight_offset, weight_in_fp32, scale_divisor, donated)
+            weight_offset=0.0, weight_in_fp32=False, scale_divisor=None, min_scale=0.0, power_of_two="none",
+            reciprocal=False, saturate=True):
+        recipe = _recipe(scaling, group_size, min_amax, scale_dtype, min_scale, power_of_two, reciprocal, saturate)
+        return _cpu_fp8_kernel(x, residual, weight, eps, group_name, recipe, static_scale, return_normed, weight_offset,
+                               weight_in_fp32, scale_divisor, donated)
 
     def cuda(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale, return_normed,
-             weight_offset=0.0, weight_in_fp32=False, scale_divisor=None):
-        recipe = _recipe(scaling, group_size, min_amax, scale_dtype)
+             weight_offset=0.0, weight_in_fp32=False, scale_divisor=None, min_scale=0.0, power_of_two="none",
+             reciprocal=False, saturate=True):
+        recipe = _recipe(scaling, group_size, min_amax, scale_dtype, min_scale, power_of_two, reciprocal, saturate)
         return _cuda_dispatch().allreduce_residual_rmsnorm_fp8_cuda(
             x, residual, weight, float(eps), group_name, recipe, static_scale, return_normed, donated, weight_offset,
             weight_in_fp32, scale_divisor_value(scale_divisor))

@@ -1,0 +1,120 @@
+"""The Triton kernel behind `fxfuse.op.add_rmsnorm_fp8_kernel` (imported on its first launch, so that
+importing the op needs no Triton): residual add + RMSNorm + the FP8 quantization of an
+`fxfuse.op.fp8_recipe.Fp8Recipe`, one program per row, and the helpers it calls."""
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+@triton.jit
+def nan_max(a, b):
+    """max that returns NaN when either side is NaN (as torch's amax and clamp do)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+@triton.jit
+def rounded(value, SCALE_ROUNDING: tl.constexpr):
+    """`value` rounded to the scale's dtype (float32: as it is)."""
+    if SCALE_ROUNDING == 1:
+        value = value.to(tl.bfloat16).to(tl.float32)
+    elif SCALE_ROUNDING == 2:
+        value = value.to(tl.float16).to(tl.float32)
+    return value
+
+@triton.jit
+def power_of_two(scale, POWER_OF_TWO: tl.constexpr, SCALE_ROUNDING: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """2 ** round(log2(scale)) with the recipe's rounding of the exponent (1 ceil, 2 floor, 3 to nearest,
+    half to even), each step rounded to the scale's dtype; log2 and exp2 are CUDA's (torch's on the
+    GPU) where compiled, numpy's under Triton's interpreter."""
+    if LIBDEVICE:
+        exponent = rounded(libdevice.log2(scale), SCALE_ROUNDING)
+    else:
+        exponent = rounded(tl.log2(scale), SCALE_ROUNDING)
+    if POWER_OF_TWO == 1:
+        exponent = tl.ceil(exponent)
+    elif POWER_OF_TWO == 2:
+        exponent = tl.floor(exponent)
+    else:
+        below = tl.floor(exponent)
+        fraction = exponent - below
+        odd = below - 2.0 * tl.floor(below * 0.5)
+        exponent = tl.where((fraction > 0.5) | ((fraction == 0.5) & (odd == 1.0)), below + 1.0, below)
+    if LIBDEVICE:
+        return rounded(libdevice.exp2(exponent), SCALE_ROUNDING)
+    return rounded(tl.exp2(exponent), SCALE_ROUNDING)
+
+@triton.jit
+def divided(x, divisor, reciprocal):
+    """x / divisor as IEEE float32 division rounds it, given reciprocal = 1 / divisor (rounded once):
+    q = x * reciprocal, then one correction by the exact residual, q + reciprocal * (x - q * divisor),
+    with two fused multiply-adds: the correctly rounded quotient for the normal-range values a
+    quantization divides, at a fraction of a full division's cost. A zero, infinite or NaN first
+    quotient is the IEEE one already (sign included), but for 0 / d with 1 / d infinite, which is 0."""
+    quotient = x * reciprocal
+    corrected = tl.fma(tl.fma(-quotient, divisor, x), reciprocal, quotient)
+    exact = tl.where((x == 0.0) & (divisor != 0.0), x * divisor, quotient)
+    return tl.where((quotient != 0.0) & (tl.abs(quotient) < float("inf")), corrected, exact)
+
+@triton.jit
+def add_rmsnorm_fp8_rows(
+    reduced_ptr, residual_ptr, weight_ptr, residual_out_ptr, normed_ptr, quantized_ptr, scales_ptr, static_scale_ptr,
+    hidden, groups, eps, min_amax, divisor, min_scale,
+    NORMALIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STORE_NORMED: tl.constexpr, SCALING: tl.constexpr,
+    SCALE_ROUNDING: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr,
+    WEIGHT_OFFSET: tl.constexpr, POWER_OF_TWO: tl.constexpr, RECIPROCAL: tl.constexpr, SATURATE: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+):
+    # One program per token; its row as a [ROWS, COLS] tile: ROWS groups of COLS values for per-group
+    # scales (no reshape between the norm and the group maxima), one row of the whole width otherwise.
+    # NaN goes where the unfused torch code has it: maxima and clamps propagate it.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    mask = cols < hidden
+    offsets = row * hidden + cols
+    if NORMALIZE:
+        # The cache hints of fxfuse.op.add_rmsnorm_kernel (rows read once, the weight by every program,
+        # the residual streamed past L2).
+        reduced = tl.load(reduced_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_first")
+        summed = reduced
+        if HAS_RESIDUAL:
+            residual = tl.load(residual_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_first")
+            summed = reduced.to(residual.dtype) + residual
+        tl.store(residual_out_ptr + offsets, summed, mask=mask, cache_modifier=".cs")
+        h = summed.to(tl.float32)
+        variance = tl.sum(tl.sum(h * h, axis=1), axis=0) / hidden
+        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last")
+        if WEIGHT_IN_FP32:
+            normed = (h * tl.rsqrt(variance + eps) * (weight.to(tl.float32) + WEIGHT_OFFSET)).to(reduced.dtype)
+        else:
+            normed = weight * (h * tl.rsqrt(variance + eps)).to(summed.dtype)
+        if STORE_NORMED:
+            tl.store(normed_ptr + offsets, normed, mask=mask)
+    else:
+        normed = tl.load(reduced_ptr + offsets, mask=mask, other=0.0)
+    x = normed.to(tl.float32)
+    if SCALING == 2:
+        scaled = x * tl.load(static_scale_ptr)
+    elif SCALING == 3:
+        static_scale = tl.load(static_scale_ptr)
+        scaled = divided(x, tl.broadcast_to(static_scale, (ROWS, COLS)),
+                         tl.broadcast_to(tl.math.div_rn(1.0, static_scale), (ROWS, COLS)))
+    else:
+        amax = tl.reduce(tl.abs(x), 1, nan_max)
+        if min_amax > 0.0:
+            amax = nan_max(amax, min_amax)
+        scale = rounded(tl.math.div_rn(rounded(amax, SCALE_ROUNDING), divisor), SCALE_ROUNDING)
+        if min_scale > 0.0:
+            scale = nan_max(scale, min_scale)
+        if POWER_OF_TWO != 0:
+            scale = power_of_two(scale, POWER_OF_TWO, SCALE_ROUNDING, LIBDEVICE)
+        group_ids = tl.arange(0, ROWS)
+        tl.store(scales_ptr + row * groups + group_ids, scale, mask=group_ids < groups)
+        reciprocals = tl.broadcast_to(tl.math.div_rn(1.0, scale)[:, None], (ROWS, COLS))
+        if RECIPROCAL:
+            scaled = x * reciprocals
+        else:
+            scaled = divided(x, tl.broadcast_to(scale[:, None], (ROWS, COLS)), reciprocals)
+    if SATURATE:
+        clamped = tl.minimum(nan_max(scaled, -448.0), 448.0, propagate_nan=tl.PropagateNan.ALL)
+    else:
+        clamped = tl.where(tl.abs(scaled) >= 464.0, float("nan"), scaled)  # torch's cast: NaN from 464 up
+    tl.store(quantized_ptr + offsets, clamped.to(quantized_ptr.dtype.element_ty), mask=mask)
