@@ -32,7 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxfuse.backend import CompileRecord, FxfuseBackend
 from fxfuse.models.config import ModelConfig
 from fxfuse.models.parallel import ParallelContext
-from fxfuse.op.fp8_schema import FP8_OPS
+from fxfuse.op.fp8_schema import FP8_OPS, recipe_of
 from fxfuse.op.schema import FUSED_OPS
 from fxfuse.op.settings import current_settings, what_fused_sites_run
 from fxfuse.passes.config import PATTERNS
@@ -222,8 +222,7 @@ class SiteTracingBackend(FxfuseBackend):
 def fp8_note(site: torch.fx.Node) -> str | None:
     """What became of the FP8 quantization after a fused site (`SiteRow.fp8`)."""
     if site.target in FP8_OPS:
-        scaling, group_size = site.args[5], site.args[6]
-        return f"fused: {scaling}" + (f" {group_size}" if scaling == "per_group" else "")
+        return f"fused: {recipe_of(site.args, site.kwargs).describe()}"
     reason = site.meta.get(FP8_REASON)
     return None if reason is None else f"left out: {reason}"
 

@@ -8,13 +8,14 @@ Run with `pytest -m gpu tests/gpu`."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 import torch
 from flashinfer_gpu import CUDA_GPU_MARKS, EPS, FLASHINFER_GPU_MARKS, PCIE_GPU_MARKS, fused_calls, inputs
 
-from fxfuse.op.fp8_recipe import Fp8Recipe, quantize_fp8, scale_shape
+from fxfuse.op.fp8_recipe import Fp8Recipe, quantize_fp8, rounded_to, scale_shape
 from fxfuse.runner.launch import run_on_ranks
 
 FP8 = torch.float8_e4m3fn
@@ -25,6 +26,16 @@ RECIPES = {
     "per_row": Fp8Recipe("per_row", 0, 1e-12),
     "static_mul": Fp8Recipe("static_mul"),
     "static_div": Fp8Recipe("static_div"),
+    # issue 29: the recipes of vLLM, DeepSeek-V3.1's UE8M0 scales and torchao's e8m0 scales
+    "per_group_vllm_ue8m0": Fp8Recipe("per_group", 128, min_scale=rounded_to(1 / (448 * 512), torch.float32),
+                                      power_of_two="ceil"),
+    "per_group_deepseek_ue8m0": Fp8Recipe("per_group", 128, rounded_to(1e-4, torch.float32), power_of_two="ceil",
+                                          saturate=False),
+    "per_row_vllm_reciprocal": Fp8Recipe("per_row", min_scale=rounded_to(1 / (448 * 512), torch.float32), reciprocal=True),
+    "per_row_e8m0_nearest": Fp8Recipe("per_row", power_of_two="nearest"),
+    "per_group_floor": Fp8Recipe("per_group", 128, power_of_two="floor"),  # values past 448: the clamp
+    "per_group_floor_no_clamp": Fp8Recipe("per_group", 128, power_of_two="floor", saturate=False),  # torch's cast
+    "per_group_reciprocal_bf16_scale": Fp8Recipe("per_group", 128, 0.0, torch.bfloat16, reciprocal=True),
 }
 
 
@@ -38,7 +49,7 @@ def _reference(normed: torch.Tensor, recipe: Fp8Recipe, scale: torch.Tensor | No
 def _recipe_for(name: str, dtype: torch.dtype) -> Fp8Recipe:
     """RECIPES[name], its activation-dtype scale in `dtype` (the pass makes it the activations' dtype)."""
     recipe = RECIPES[name]
-    return Fp8Recipe(recipe.scaling, recipe.group_size, recipe.min_amax, dtype) if recipe.scale_dtype != torch.float32 else recipe
+    return dataclasses.replace(recipe, scale_dtype=dtype) if recipe.scale_dtype != torch.float32 else recipe
 
 
 def _static_scale(recipe: Fp8Recipe, device) -> torch.Tensor | None:
@@ -46,7 +57,8 @@ def _static_scale(recipe: Fp8Recipe, device) -> torch.Tensor | None:
 
 
 def _codes(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8)
+    """The e4m3 codes, every NaN as 0x7f (torch keeps a NaN's sign, the GPU's conversion writes 0x7f)."""
+    return torch.where(t.float().isnan(), 0x7F, t.view(torch.uint8).int())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -73,11 +85,32 @@ def test_the_fused_kernel_quantizes_exactly_as_the_recipe(name, hidden, dtype):
         torch.testing.assert_close(normed, expected_normed, rtol=step, atol=step * expected_normed.abs().max().item())
         # the quantization of the kernel's own normed output, bit for bit
         expected_q, expected_scales = _reference(normed, recipe, scale)
-        torch.testing.assert_close(scales, expected_scales, rtol=0, atol=0)
-        assert torch.equal(_codes(quantized), _codes(expected_q)), f"{name}: {(quantized.float() != expected_q.float()).sum()} codes differ"
+        torch.testing.assert_close(scales, expected_scales, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(_codes(quantized), _codes(expected_q)), f"{name}: {(_codes(quantized) != _codes(expected_q)).sum()} codes differ"
         alone_q, alone_scales = torch.empty_like(quantized), torch.empty_like(scales)
         quantize_fp8_into(normed, recipe, scale, alone_q, alone_scales)  # the quantize-only form (TensorRT-LLM path)
-        assert torch.equal(_codes(alone_q), _codes(quantized)) and torch.equal(alone_scales, scales)
+        assert torch.equal(_codes(alone_q), _codes(quantized)) and torch.equal(alone_scales.nan_to_num(-1), scales.nan_to_num(-1))
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_nan_lands_where_the_unfused_code_puts_it(name):
+    """Issue 29 defect 6: an all-zero group without a lower bound (0 / 0) and a NaN value give NaN scales
+    and codes as torch does (the kernel's maxima and clamps propagate NaN); zeros keep their sign."""
+    from fxfuse.op.add_rmsnorm_fp8_kernel import quantize_fp8_into
+
+    recipe = _recipe_for(name, torch.bfloat16)
+    normed = torch.randn(4, 512, device="cuda").to(torch.bfloat16)
+    normed[0, :128] = 0.0
+    normed[0, 200] = -0.0
+    normed[1, 300] = float("nan")
+    normed[2, 7] = float("inf")
+    scale = _static_scale(recipe, "cuda")
+    quantized = torch.empty(normed.shape, device="cuda", dtype=FP8)
+    scales = torch.empty(scale_shape(normed.shape, recipe), device="cuda")
+    quantize_fp8_into(normed, recipe, scale, quantized, scales)
+    expected_q, expected_scales = _reference(normed, recipe, scale)
+    torch.testing.assert_close(scales, expected_scales, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(_codes(quantized), _codes(expected_q)), f"{name}: {(_codes(quantized) != _codes(expected_q)).sum()} codes differ"
 
 
 def one_rank_fp8(ctx) -> dict:
