@@ -6,10 +6,11 @@
   condition alone, for a test of a module whose other tests need less.
 The norm variants (issue 24) every path is checked with: `NORM_VARIANTS`, `variant_arguments` and
 `trtllm_takes`. `build_flashinfer_kernels` JIT-builds FlashInfer's kernels in the test process, before ranks
-are spawned.
+are spawned; `DeviceMemoryPeak` samples the GPU's used memory while they run.
 """
 
 import importlib
+import threading
 import time
 import zlib
 
@@ -107,3 +108,34 @@ def build_flashinfer_kernels() -> float:
     if _FEATURES.pcie:
         importlib.import_module("flashinfer.comm.pcie_ipc_ar").get_pcie_ipc_comm_module()
     return time.monotonic() - started
+
+
+class DeviceMemoryPeak:
+    """The GPU's used memory (every process's on it, as cudaMemGetInfo reports it) before a `with` block
+    (`before`) and its highest value while the block runs (`peak`), sampled every `interval_s` seconds in a
+    background thread: what spawned ranks sharing the GPU take is `peak - before`."""
+
+    def __init__(self, interval_s: float = 0.2) -> None:
+        self.interval_s = interval_s
+        self.before = self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="device-memory-peak", daemon=True)
+
+    @staticmethod
+    def used() -> int:
+        """Bytes in use on the current GPU now."""
+        free, total = torch.cuda.mem_get_info()
+        return total - free
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, self.used())
+
+    def __enter__(self) -> "DeviceMemoryPeak":
+        self.before = self.peak = self.used()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()

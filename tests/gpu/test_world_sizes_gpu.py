@@ -62,6 +62,7 @@ from flashinfer_gpu import (
     FLASHINFER_GPU_MARKS,
     NEEDS_PCIE,
     NORM_VARIANTS,
+    DeviceMemoryPeak,
     build_flashinfer_kernels,
     fused_calls,
     inputs,
@@ -305,9 +306,7 @@ def world_size_checks(ctx) -> dict:
     report["checks"] = {key: run_case(ctx, key[0], case, key[2], device) for key, case in cases(ctx, pcie_group, features)}
     report["checks_s"] = time.monotonic() - started
     report["creation_failure"] = creation_failing_on_the_last_rank(ctx, device)
-    dist.barrier(ctx.group)  # every rank's memory is in use when each reads the GPU's
-    free, total = torch.cuda.mem_get_info()
-    report["memory"] = {"device_used": total - free, "allocator_peak": torch.cuda.max_memory_reserved(),
+    report["memory"] = {"allocator_peak": torch.cuda.max_memory_reserved(),
                         "host_peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     for group in (ctx.group, pcie_group):
         if group is not None:
@@ -317,14 +316,14 @@ def world_size_checks(ctx) -> dict:
 
 @dataclass
 class WorldSizeRun:
-    """One spawn's outcome: every rank's report, when it started (wall clock) and how long it took, and
-    the GPU's used bytes before it (this process's own context included)."""
+    """One spawn's outcome: every rank's report, when it started (wall clock), how long it took, and the
+    most GPU memory its ranks held together."""
 
     world_size: int
     ranks: list
     started: float
     wall_s: float
-    device_used_before: int
+    device_bytes: int
 
 
 @pytest.fixture(scope="module")
@@ -336,10 +335,10 @@ def jit_s() -> float:
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda world_size: f"ws{world_size}")
 def run(request, jit_s) -> WorldSizeRun:
     """One spawn of `request.param` gloo ranks sharing the GPU, every check in it."""
-    free, total = torch.cuda.mem_get_info()
-    started = time.time()
-    ranks = run_on_ranks(world_size_checks, request.param, timeout_s=SPAWN_TIMEOUT_S)
-    return WorldSizeRun(request.param, ranks, started, time.time() - started, total - free)
+    with DeviceMemoryPeak() as memory:
+        started = time.time()
+        ranks = run_on_ranks(world_size_checks, request.param, timeout_s=SPAWN_TIMEOUT_S)
+    return WorldSizeRun(request.param, ranks, started, time.time() - started, memory.peak - memory.before)
 
 
 def out_of_bounds(metrics: dict) -> dict:
@@ -440,7 +439,7 @@ def test_time_and_memory_per_rank(run, jit_s, capsys):
     ranks = run.ranks
     assert all(report["ready"] for report in ranks), "no checks ran (see test_workspaces_are_ready)"
     launch_s = max(report["entered"] for report in ranks) - run.started
-    device_per_rank = (max(report["memory"]["device_used"] for report in ranks) - run.device_used_before) / run.world_size
+    device_per_rank = run.device_bytes / run.world_size
     allocator = max(report["memory"]["allocator_peak"] for report in ranks)
     rss = max(report["memory"]["host_peak_rss"] for report in ranks)
     schedule = ranks[0]["pcie"]["schedule"] if ranks[0]["pcie"] is not None else "no PCIe all-reduce"
