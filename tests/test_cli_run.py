@@ -253,11 +253,18 @@ def test_checkpoint_that_does_not_fit_tp_is_refused_before_loading(tmp_path, cap
     assert "tensor parallel size 3 does not divide" in capsys.readouterr().err
 
 
-def test_more_gpus_than_present_is_refused(monkeypatch, capsys):
+@pytest.mark.parametrize("tp, gpus", [(2, 1), (8, 1), (8, 4)])
+def test_more_gpus_than_present_is_refused_before_any_rank(tp, gpus, monkeypatch, capsys):
+    """Ranks sharing a GPU are a test mode (tests/gpu, `fxfuse bench kernel`), never a user's run: `fxfuse run
+    --tp N` on fewer than N GPUs is one error line, and no rank starts."""
+    import fxfuse.runner.run
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert main(["run", "--device", "cuda", "--tp", "2"]) == 2
-    assert "--tp 2 needs 2 GPUs (one process per GPU), but only 1 are present" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(fxfuse.runner.run, "run_on_ranks", lambda *a, **k: pytest.fail("a rank was started"))
+    assert main(["run", "--device", "cuda", "--tp", str(tp)]) == 2
+    err = capsys.readouterr().err
+    assert f"--tp {tp} needs {tp} GPUs (one process per GPU), but only {gpus} are present" in err and err.count("\n") == 1
 
 
 def test_help_describes_the_default_job():

@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from flashinfer_gpu import CUDA_GPU_MARKS, EPS, inputs
+from flashinfer_gpu import CUDA_GPU_MARKS, EPS, NORM_VARIANTS, inputs, reference, rel_errs, trtllm_takes, variant_arguments
 
 from fxfuse.op.flashinfer_version import installed_features
 from fxfuse.runner.launch import run_on_ranks
@@ -26,25 +26,6 @@ pytestmark = CUDA_GPU_MARKS
 HIDDEN = 4096
 TOKENS = 16
 TOLERANCE = 1e-2  # relative L2 error; bf16 rounding alone gives about 3e-3
-#: (weight offset, weight in float32, float32 weight, float32 residual) per case.
-CASES = {
-    "gemma": (1.0, True, False, False),
-    "weight_in_fp32": (0.0, True, False, False),
-    "fp32_weight": (0.0, True, True, False),
-    "fp32_residual": (0.0, True, False, True),
-    "fp32_residual_gemma": (1.0, True, False, True),
-}
-
-
-def _expected(xs, residual, weight, offset):
-    """The reference arithmetic in float32: the sum, the residual add, the norm times `weight + offset`."""
-    summed = torch.stack([x.float() for x in xs]).sum(0) + residual.float()
-    normalized = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + EPS)
-    return normalized * (weight.float() + offset), summed
-
-
-def _errors(out, expected) -> tuple[float, float]:
-    return tuple(((o.float() - e).norm() / e.norm()).item() for o, e in zip(out, expected))
 
 
 def _plans(ctx, torch_dtype):
@@ -70,17 +51,15 @@ def variant_checks(ctx) -> dict:
     report: dict = {"plans": {name: plan is not None for name, plan in plans.items()}, "errors": {}}
     x, xs, residual, weight = inputs(ctx.rank, ctx.world_size, TOKENS, 0, device, HIDDEN)
     weight = weight - 1  # zero-centred, as Gemma stores it
-    for case, (offset, in_fp32, fp32_weight, fp32_residual) in CASES.items():
-        w = weight.float() if fp32_weight else weight
-        res = residual.float() if fp32_residual else residual
+    for case in NORM_VARIANTS:
+        res, w, norm = variant_arguments(case, residual, weight)
         for name, plan in plans.items():
-            if plan is None or (name.startswith("trtllm") and (fp32_weight or fp32_residual
-                                                                or (offset and not features.trtllm_weight_bias))):
-                continue  # the dispatch never gives the TensorRT-LLM kernel these (policy.trtllm_unsupported)
-            normed, residual_out = plan(x.clone(), res, w, EPS, False, (offset, in_fp32))
+            if plan is None or (name.startswith("trtllm") and not trtllm_takes(case, features)):
+                continue
+            normed, residual_out = plan(x.clone(), res, w, EPS, False, norm)
             torch.cuda.synchronize()
             report["errors"][(case, name)] = (normed.dtype, residual_out.dtype,
-                                              _errors((normed, residual_out), _expected(xs, res, weight, offset)))
+                                              rel_errs((normed, residual_out), reference(xs, res, weight, norm[0])))
     fxfuse.destroy_workspaces(ctx.group, graphs_released=True)
     report["compiled"] = _compiled_gemma_layer(ctx, device)
     return report
@@ -132,10 +111,10 @@ def test_every_plan_runs_every_variant_it_is_given(reports):
         assert report["plans"]["nccl"]
         for (case, plan), (normed_dtype, residual_dtype, errors) in report["errors"].items():
             assert normed_dtype == torch.bfloat16, (case, plan)
-            assert residual_dtype == (torch.float32 if CASES[case][3] else torch.bfloat16), (case, plan)
+            assert residual_dtype == (torch.float32 if NORM_VARIANTS[case][3] else torch.bfloat16), (case, plan)
             assert max(errors) < TOLERANCE, (case, plan, errors)
         ran = {case for case, _ in report["errors"]}
-        assert ran == set(CASES)
+        assert ran == set(NORM_VARIANTS)
 
 
 def test_compiled_gemma_and_float32_stream_layers_fuse_and_match_eager(reports):
