@@ -40,7 +40,8 @@ def parse(argv):
 def test_defaults_sweep_every_quantization_and_both_shape_modes():
     args = parse([])
     assert args.tokens == DEFAULT_FALLBACK_TOKENS == tuple(2**i for i in range(13))
-    assert args.hidden == (7168, 4096) and args.quant == list(FALLBACK_QUANT) == ["none", "group", "row", "tensor"]
+    assert args.hidden == (7168, 4096) and args.quant == list(FALLBACK_QUANT) == [
+        "none", "group", "row", "tensor", "row_reciprocal", "group_ue8m0"]
     assert args.modes == list(FALLBACK_MODES) == ["static", "dynamic"]
     assert (args.repeats, args.iters, args.time_budget_s, args.input_sets) == (30, 20, None, 0)
     assert tuple(BLOCKS) == FALLBACK_QUANT  # one block per kind, in report order
@@ -49,7 +50,7 @@ def test_defaults_sweep_every_quantization_and_both_shape_modes():
 
 @pytest.mark.parametrize("argv, message", [
     (["--quant", "group", "--hidden", "4096,100"], "--quant group needs hidden sizes that are multiples of 128 (got 100)"),
-    (["--quant", "int4"], "argument --quant: expected a comma-separated subset of none, group, row, tensor, got 'int4'"),
+    (["--quant", "int4"], "argument --quant: expected a comma-separated subset of none, group, row, tensor, row_reciprocal, group_ue8m0, got 'int4'"),
     (["--modes", "fast"], "argument --modes: expected a comma-separated subset of static, dynamic, got 'fast'"),
     (["--time-budget-s", "0"], "argument --time-budget-s: must be a finite number above 0"),
     (["--tokens", "0"], "argument --tokens: each value must be between 1 and"),
@@ -81,12 +82,14 @@ def _reference_outputs(quant: str, reference: Reference):
     if quant == "none":
         return reference.normed.bfloat16(), hidden
     scales = reference.scales
-    expanded = scales.repeat_interleave(128, dim=1) if quant == "group" else scales
+    if quant == "group_ue8m0":  # rounded up to a power of two, as the block's own scales are
+        scales = torch.exp2(torch.ceil(torch.log2(scales))).squeeze(-1)
+    expanded = scales.repeat_interleave(128, dim=1) if quant.startswith("group") else scales
     q = (reference.normed / expanded).clamp(-448, 448).to(FP8)
     return (q, hidden) if quant == "tensor" else (q, scales, hidden)
 
 
-@pytest.mark.parametrize("quant", ["group", "row", "tensor"])
+@pytest.mark.parametrize("quant", ["group", "row", "tensor", "row_reciprocal", "group_ue8m0"])
 def test_the_check_passes_exact_outputs_and_catches_wrong_ones(quant):
     reference = fp32_reference(quant, block_inputs(quant, 16, 512, CPU))
     good = _reference_outputs(quant, reference)
@@ -101,7 +104,10 @@ def test_the_check_passes_exact_outputs_and_catches_wrong_ones(quant):
     if quant != "tensor":  # the scales are the block's own output: checked tightly
         off = good[1] * (1 + 2 * SCALE_TOLERANCE)
         result = check_outputs(quant, (q, off, good[2]), reference)
-        assert result["scale_rel_err"] == pytest.approx(2 * SCALE_TOLERANCE, rel=1e-3) and not result["ok"]
+        if quant == "group_ue8m0":  # no longer a power of two, and not within [scale, 2 * scale] of the reference
+            assert not result["scale_power_of_two"] and not result["ok"]
+        else:
+            assert result["scale_rel_err"] == pytest.approx(2 * SCALE_TOLERANCE, rel=1e-3) and not result["ok"]
         with pytest.raises(ValueError, match="returned scales of shape"):
             check_outputs(quant, (q, good[1][:, :1].expand(-1, 3), good[2]), reference)
     with pytest.raises(ValueError, match="not float8_e4m3fn"):

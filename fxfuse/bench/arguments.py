@@ -42,7 +42,7 @@ DEFAULT_HIDDEN = (7168, 4096)
 #: Fallback benchmark defaults: token counts 1 .. 4096; the quantization kinds after the norm
 #: (`fxfuse.bench.fallback_blocks`) and the shape modes (static: `dynamic=False`, dynamic: `dynamic=True`).
 DEFAULT_FALLBACK_TOKENS = tuple(2**i for i in range(13))
-FALLBACK_QUANT = ("none", "group", "row", "tensor")
+FALLBACK_QUANT = ("none", "group", "row", "tensor", "row_reciprocal", "group_ue8m0")
 FALLBACK_MODES = ("static", "dynamic")
 #: The per-token-group quantization's group: `--hidden` must be a multiple of it with `--quant group`.
 QUANT_GROUP = 128
@@ -151,8 +151,10 @@ def add_fallback_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=int_list(8, 1 << 16), default=DEFAULT_HIDDEN,
                    help=f"comma-separated hidden sizes (default {_joined(DEFAULT_HIDDEN)})")
     p.add_argument("--quant", type=comma_subset(FALLBACK_QUANT), default=list(FALLBACK_QUANT),
-                   help="what follows the norm: none, FP8 per token group of 128 (group), per row (row) or with one "
-                        f"static scale (tensor); comma-separated (default {_joined(FALLBACK_QUANT)})")
+                   help="what follows the norm: none, FP8 per token group of 128 (group), per row (row), with one "
+                        "static scale (tensor), per row times the scale's reciprocal as vLLM writes it (row_reciprocal), "
+                        "per group of 128 with vLLM's UE8M0 power-of-two scales (group_ue8m0); comma-separated "
+                        f"(default {_joined(FALLBACK_QUANT)})")
     p.add_argument("--modes", type=comma_subset(FALLBACK_MODES), default=list(FALLBACK_MODES),
                    help="compile with static shapes (dynamic=False: one compile per token count) and/or dynamic "
                         f"shapes (dynamic=True); comma-separated (default {_joined(FALLBACK_MODES)})")
@@ -177,8 +179,9 @@ def add_fallback_arguments(p: argparse.ArgumentParser) -> None:
 def check_fallback_arguments(args: argparse.Namespace) -> None:
     """Raise ValueError for fallback-benchmark options argparse cannot check itself."""
     misfits = [h for h in args.hidden if h % QUANT_GROUP]
-    if "group" in args.quant and misfits:
-        raise ValueError(f"--quant group needs hidden sizes that are multiples of {QUANT_GROUP} (got {_joined(misfits)})")
+    grouped = [kind for kind in args.quant if kind.startswith("group")]
+    if grouped and misfits:
+        raise ValueError(f"--quant {grouped[0]} needs hidden sizes that are multiples of {QUANT_GROUP} (got {_joined(misfits)})")
 
 
 def add_gemm_arguments(p: argparse.ArgumentParser) -> None:

@@ -17,6 +17,13 @@ quantization of the normed output as models and libraries write it:
 - `row`: per row with dynamic scales, as torchao's `_choose_scale_float8` and `_quantize_affine_float8`
   compute them for `PerRow` (amax of |x| in the activation dtype, / 448 in that dtype, then float32;
   x in float32 / scale, clamp, cast); returns (q [T, H], scales [T, 1] float32, residual);
+- `row_reciprocal`: per row as vLLM's QuantFP8 native forward writes it (the maximum of the bf16 values
+  via `.max(dim=-1)`, then float32, / 448, the scale bounded below by 1 / (448 * 512), the values times
+  `scale.reciprocal()`, clamp, cast); returns (q [T, H], scales [T, 1], residual);
+- `group_ue8m0`: per group of 128 as vLLM's per-group native forward writes it with UE8M0 scales (a bf16
+  view of groups, `.max(dim=-1, keepdim=True)[0].float()`, / 448, the lower bound on the scale, then
+  `exp2(ceil(log2(s)))`, bf16 groups divided by float32 scales); returns (q [T, H], scales [T, H/128, 1]
+  as the code leaves them, residual);
 - `tensor`: one static scale, `(x.float() * inv_scale).clamp(-448, 448)` cast, with `inv_scale` a
   0-dim float32 input; returns (q [T, H], residual).
 `fp32_reference` computes the same chain in float32 from the inputs, independently of the blocks;
@@ -42,6 +49,10 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 GROUP = QUANT_GROUP
 MIN_AMAX = 1e-12
+#: vLLM's lower bound on a dynamic scale (1 / (448 * 512)).
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+#: Kinds whose scales are powers of two rounded up: a scale may be up to twice the float32 reference's.
+POWER_OF_TWO_KINDS = ("group_ue8m0",)
 #: Relative L2 error allowed for bf16 outputs against float32 (bf16 rounding alone gives about 3e-3).
 BF16_TOLERANCE = 2e-2
 #: One e4m3 step relative to the value (3 mantissa bits), and e4m3's subnormal step (2**-9) in units of
@@ -86,6 +97,29 @@ def row_block(inp: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, p
     return q, scales, hidden
 
 
+def row_reciprocal_block(inp: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, proj: torch.Tensor,
+                         group_name: str):
+    """`block`, then vLLM's per-token FP8 quantization (a reciprocal multiply): (q, scales [T, 1], residual)."""
+    normed, hidden = _allreduce_add_rmsnorm(inp, residual, weight, proj, group_name)
+    maxima, _ = normed.abs().max(dim=-1)
+    scales = (maxima.unsqueeze(-1).to(torch.float32) / FP8_MAX).clamp(min=MIN_SCALE)
+    q = (normed.to(torch.float32) * scales.reciprocal()).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scales, hidden
+
+
+def group_ue8m0_block(inp: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, proj: torch.Tensor,
+                      group_name: str):
+    """`block`, then vLLM's per-group (128) FP8 quantization with UE8M0 scales: (q, scales [T, H/128, 1], residual)."""
+    normed, hidden = _allreduce_add_rmsnorm(inp, residual, weight, proj, group_name)
+    rows, cols = normed.shape
+    groups = normed.view(rows, -1, GROUP)
+    maxima = groups.abs().max(dim=-1, keepdim=True)[0].float()
+    scales = (maxima / FP8_MAX).clamp(min=MIN_SCALE)
+    scales = torch.exp2(torch.ceil(torch.log2(scales)))
+    q = (groups / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(rows, cols), scales, hidden
+
+
 def tensor_block(inp: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, proj: torch.Tensor,
                  inv_scale: torch.Tensor, group_name: str):
     """`block`, then static per-tensor FP8 quantization by a 0-dim float32 `inv_scale`: (q, residual)."""
@@ -95,7 +129,8 @@ def tensor_block(inp: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
 
 
 #: Quantization kind (`fxfuse.bench.arguments.FALLBACK_QUANT`) -> its block.
-BLOCKS: dict[str, Callable] = {"none": block, "group": group_block, "row": row_block, "tensor": tensor_block}
+BLOCKS: dict[str, Callable] = {"none": block, "group": group_block, "row": row_block, "tensor": tensor_block,
+                               "row_reciprocal": row_reciprocal_block, "group_ue8m0": group_ue8m0_block}
 
 
 @dataclass(frozen=True)
@@ -144,6 +179,10 @@ def fp32_reference(quant: str, inputs: tuple[torch.Tensor, ...]) -> Reference:
         scales = normed.view(normed.shape[0], -1, GROUP).abs().amax(-1).clamp_min(MIN_AMAX) / FP8_MAX
     elif quant == "row":
         scales = normed.abs().amax(-1, keepdim=True) / FP8_MAX
+    elif quant == "row_reciprocal":
+        scales = (normed.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
+    elif quant == "group_ue8m0":  # before the rounding to a power of two (check_outputs allows up to twice it)
+        scales = (normed.view(normed.shape[0], -1, GROUP).abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
     elif quant == "tensor":
         scales = 1 / inputs[4]
     else:
@@ -178,14 +217,24 @@ def check_outputs(quant: str, outputs: tuple[torch.Tensor, ...], reference: Refe
                          f"{tuple(reference.normed.shape)}")
     scales = reference.scales if quant == "tensor" else outputs[1]
     if quant != "tensor":
-        if scales.shape != reference.scales.shape:
+        if scales.numel() != reference.scales.numel():
             raise ValueError(f"the {quant} block returned scales of shape {tuple(scales.shape)}, not "
                              f"{tuple(reference.scales.shape)}")
-        result["scale_rel_err"] = float(((scales.float() - reference.scales) / reference.scales).abs().max())
+        scales = scales.float().reshape(reference.scales.shape[0], -1)
+        expected = reference.scales.reshape(scales.shape)
+        if quant in POWER_OF_TWO_KINDS:  # a power of two in [expected, 2 * expected]: how far outside, relatively
+            ratio = scales / expected
+            result["scale_power_of_two"] = bool((torch.log2(scales) % 1 == 0).all())
+            result["scale_rel_err"] = float(torch.maximum(1 / ratio - 1, ratio / 2 - 1).clamp_min(0).max())
+        else:
+            result["scale_rel_err"] = float(((scales - expected) / expected).abs().max())
+    reference_scales = reference.scales.reshape(scales.shape) if quant != "tensor" else reference.scales
+    if quant in POWER_OF_TWO_KINDS:
+        reference_scales = 2 * reference_scales
     dequantized = q.float() * _expanded(scales.float(), q.shape)
-    bound = E4M3_STEP * reference.normed.abs() + E4M3_SUBNORMAL_STEP * _expanded(reference.scales, q.shape)
+    bound = E4M3_STEP * reference.normed.abs() + E4M3_SUBNORMAL_STEP * _expanded(reference_scales, q.shape)
     result["dequant_err_over_bound"] = float(((dequantized - reference.normed).abs() / bound).max())
     result["ok"] = (result["residual_rel_err"] <= BF16_TOLERANCE and result["dequant_err_over_bound"] <= 1
-                    and result.get("scale_rel_err", 0.0) <= SCALE_TOLERANCE)
+                    and result.get("scale_rel_err", 0.0) <= SCALE_TOLERANCE and result.get("scale_power_of_two", True))
     return result
 

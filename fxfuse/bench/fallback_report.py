@@ -21,6 +21,8 @@ QUANT_TITLES = {
     "group": "FP8 per token group of 128, dynamic scales",
     "row": "FP8 per row, dynamic scales (torchao's PerRow arithmetic)",
     "tensor": "FP8 per tensor, one static scale",
+    "row_reciprocal": "FP8 per row, dynamic scales times their reciprocal (vLLM's per-token arithmetic)",
+    "group_ue8m0": "FP8 per token group of 128, power-of-two (UE8M0) scales (vLLM's per-group arithmetic)",
 }
 
 

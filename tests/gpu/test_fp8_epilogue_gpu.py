@@ -16,6 +16,7 @@ import torch
 from flashinfer_gpu import CUDA_GPU_MARKS, EPS, FLASHINFER_GPU_MARKS, PCIE_GPU_MARKS, fused_calls, inputs
 
 from fxfuse.op.fp8_recipe import Fp8Recipe, quantize_fp8, rounded_to, scale_shape
+from fxfuse.op.fp8_schema import recipe_arguments
 from fxfuse.runner.launch import run_on_ranks
 
 FP8 = torch.float8_e4m3fn
@@ -125,16 +126,18 @@ def one_rank_fp8(ctx) -> dict:
     report = {}
     for recipe_name, recipe in RECIPES.items():
         scale = _static_scale(recipe, device)
-        args = (EPS, name, recipe.scaling, recipe.group_size, recipe.min_amax, recipe.scale_dtype, scale, True)
+        args = (EPS, name)
+        kwargs = dict(recipe_arguments(recipe), static_scale=scale, return_normed=True)
         x, _, residual, weight = inputs(0, 1, 16, 0, device, 7168)
         first_residual = residual.clone()
-        outputs = {"eager": FP8_OPS[0](x.clone(), residual, weight, *args),
-                   "donated": torch.ops.fxfuse.allreduce_residual_rmsnorm_fp8.donate_x(x.clone(), residual, weight, *args)}
+        outputs = {"eager": FP8_OPS[0](x.clone(), residual, weight, *args, **kwargs),
+                   "donated": torch.ops.fxfuse.allreduce_residual_rmsnorm_fp8.donate_x(x.clone(), residual, weight, *args,
+                                                                                        **kwargs)}
         static_x = x.clone()
-        FP8_OPS[0](static_x, residual, weight, *args)
+        FP8_OPS[0](static_x, residual, weight, *args, **kwargs)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = FP8_OPS[0](static_x, residual, weight, *args)
+            captured = FP8_OPS[0](static_x, residual, weight, *args, **kwargs)
         fresh, _, fresh_residual, _ = inputs(0, 1, 16, 3, device, 7168)
         static_x.copy_(fresh)
         residual.copy_(fresh_residual)
@@ -226,8 +229,8 @@ def trtllm_fp8(ctx) -> dict:
         for return_normed in (True, False):
             x, xs, residual, weight = inputs(ctx.rank, ctx.world_size, 16, 0, device, 7168)
             before = fused_calls()
-            q, scales, residual_out, normed = FP8_OPS[0](x, residual, weight, EPS, name, recipe.scaling, recipe.group_size,
-                                                        recipe.min_amax, recipe.scale_dtype, scale, True)
+            q, scales, residual_out, normed = FP8_OPS[0](x, residual, weight, EPS, name, static_scale=scale, return_normed=True,
+                                                        **recipe_arguments(recipe))
             calls = {k: v - before.get(k, 0) for k, v in fused_calls().items() if v != before.get(k, 0)}
             expected_q, expected_scales = _reference(normed, recipe, scale)
             exact = (q.view(torch.uint8) == expected_q.view(torch.uint8)).float().mean().item()
@@ -267,8 +270,8 @@ def pcie_fp8(ctx) -> dict:
         x, xs, residual, weight = inputs(ctx.rank, ctx.world_size, 16, 0, device, 7168)
         scale = _static_scale(recipe, device)
         before = fused_calls().get("pcie", 0)
-        q, scales, residual_out, normed = FP8_OPS[0](x, residual, weight, EPS, name, recipe.scaling, recipe.group_size,
-                                                    recipe.min_amax, recipe.scale_dtype, scale, True)
+        q, scales, residual_out, normed = FP8_OPS[0](x, residual, weight, EPS, name, static_scale=scale, return_normed=True,
+                                                    **recipe_arguments(recipe))
         expected_q, expected_scales = _reference(normed, recipe, scale)
         summed = torch.stack([t.float() for t in xs]).sum(0) + residual.float()
         report[recipe_name] = dict(pcie_calls=fused_calls().get("pcie", 0) - before,

@@ -144,11 +144,11 @@ def plain_case(plan) -> Case:
 
 def fp8_case(group_name: str, recipe: Fp8Recipe) -> Case:
     """The FP8 op on `group_name`, its normed output returned too."""
-    from fxfuse.op.fp8_schema import FP8_OPS
+    from fxfuse.op.fp8_schema import FP8_OPS, recipe_arguments
 
     def run(x, residual, weight):
-        return FP8_OPS[0](x, residual, weight, EPS, group_name, recipe.scaling, recipe.group_size, recipe.min_amax,
-                          recipe.scale_dtype, None, True)
+        return FP8_OPS[0](x, residual, weight, EPS, group_name, static_scale=None, return_normed=True,
+                          **recipe_arguments(recipe))
 
     return Case(run, lambda out, xs, residual, weight: fp8_metrics(out, reference(xs, residual, weight), recipe))
 
