@@ -116,5 +116,7 @@ def add_rmsnorm_fp8_rows(
     if SATURATE:
         clamped = tl.minimum(nan_max(scaled, -448.0), 448.0, propagate_nan=tl.PropagateNan.ALL)
     else:
-        clamped = tl.where(tl.abs(scaled) >= 464.0, float("nan"), scaled)  # torch's cast: NaN from 464 up
+        # torch < 2.13's cast (seen on the H200 with 2.11): NaN above 464; 464 itself rounds to 448, as
+        # [448, 464) does, which the conversion below gives too
+        clamped = tl.where(tl.abs(scaled) > 464.0, float("nan"), scaled)
     tl.store(quantized_ptr + offsets, clamped.to(quantized_ptr.dtype.element_ty), mask=mask)

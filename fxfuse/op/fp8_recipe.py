@@ -23,7 +23,7 @@ unfused code's rounding depends on. With `x` the normed output upcast to float32
   scales `[..., ceil(hidden / group_size)]` or `[..., 1]`.
 - `static_mul` / `static_div`: one calibrated float32 scale tensor: `x * s` or `x / s`, no scales.
 Then the values are clamped to +-448 when `saturate` (the code's clamp), else cast as torch casts them:
-from torch 2.13 on its cast saturates to +-448 too, before it |v| >= 464 becomes NaN ([448, 464) rounds
+from torch 2.13 on its cast saturates to +-448 too, before it |v| > 464 becomes NaN ([448, 464] rounds
 to 448 in both); `cast_saturates()` says which the installed torch does. `quantize_fp8` is the arithmetic every kernel
 reproduces (NaN where the unfused code has NaN); on CPU it is the unfused torch code's, bit for bit.
 """
