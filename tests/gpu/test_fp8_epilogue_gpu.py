@@ -201,7 +201,7 @@ def compiled_fp8_block(ctx) -> dict:
     expected_dequantized = expected[0].float().view(32, -1, 128) * expected[1].unsqueeze(-1)
     return dict(stats=backend.records[-1].stats, hidden_equal=torch.equal(hidden, expected[2]),
                 scale_err=((scale - expected[1]).abs() / expected[1]).max().item(),
-                codes_equal=(q.view(torch.uint8) == expected[0].view(torch.uint8)).float().mean().item(),
+                codes_equal=(_codes(q) == _codes(expected[0])).float().mean().item(),
                 dequantized_err=((dequantized - expected_dequantized).norm() / expected_dequantized.norm()).item())
 
 
@@ -233,7 +233,7 @@ def trtllm_fp8(ctx) -> dict:
                                                         **recipe_arguments(recipe))
             calls = {k: v - before.get(k, 0) for k, v in fused_calls().items() if v != before.get(k, 0)}
             expected_q, expected_scales = _reference(normed, recipe, scale)
-            exact = (q.view(torch.uint8) == expected_q.view(torch.uint8)).float().mean().item()
+            exact = (_codes(q) == _codes(expected_q)).float().mean().item()
             summed = torch.stack([t.float() for t in xs]).sum(0) + residual.float()
             report[(recipe_name, return_normed)] = dict(
                 calls=calls, codes_equal=exact, scales_equal=torch.equal(scales, expected_scales),
@@ -275,7 +275,7 @@ def pcie_fp8(ctx) -> dict:
         expected_q, expected_scales = _reference(normed, recipe, scale)
         summed = torch.stack([t.float() for t in xs]).sum(0) + residual.float()
         report[recipe_name] = dict(pcie_calls=fused_calls().get("pcie", 0) - before,
-                                   codes=torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8)),
+                                   codes=torch.equal(_codes(q), _codes(expected_q)),
                                    scales=torch.equal(scales, expected_scales),
                                    residual_err=((residual_out.float() - summed).norm() / summed.norm()).item())
     fxfuse.destroy_workspaces(ctx.group, graphs_released=True)
