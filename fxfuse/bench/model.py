@@ -7,7 +7,7 @@ cache and replayed (`--no-cuda-graphs`: called uncaptured, so each step's host c
 in prefill and at widths without a graph); the backends are timed side by side, in interleaved
 rounds, and each timing is the median over `--repeats` samples of `--iters` calls (slowest rank).
 Every backend's logits are checked against eager on the same inputs and cache (relative L2 error),
-within a bound scaled by the model's own sensitivity to rounding (`fxfuse.bench.sensitivity`: an
+within a bound scaled by the model's own sensitivity to rounding (`fxfuse.runner.sensitivity`: an
 eager step with its first layer's input perturbed by half a bf16 rounding step). `--dynamic` says how
 the compiled backends are compiled: static shapes (`dynamic=False`, one graph per batch x width, what
 engines that capture one graph per width compile; the default under CUDA graphs), dynamic shapes (the
@@ -41,11 +41,11 @@ import torch.distributed as dist
 from fxfuse.bench.arguments import DEFAULT_CONTEXT, DEFAULT_LAYERS, DEFAULT_PRESET, MODEL_DESCRIPTION, add_model_arguments
 from fxfuse.bench.model_report import markdown, write_report
 from fxfuse.bench.output import mode_name, package_versions, publish, relative_l2_error, report_header
-from fxfuse.bench.sensitivity import SENSITIVITY_FACTOR, TOLERANCE, check_bound, perturbed_input
 from fxfuse.command_line import CommandParser, check_output_dir, parsed_or_status
 from fxfuse.runner.launch import run_on_ranks, under_torchrun
 from fxfuse.runner.options import BACKENDS, check_host_memory, resolve_dynamic
 from fxfuse.runner.progress import Progress
+from fxfuse.runner.sensitivity import SENSITIVITY_FACTOR, TOLERANCE, check_bound, perturbed_input
 from fxfuse.runner.step_backends import CompiledStep, compile_step
 
 @dataclass(frozen=True)
@@ -327,7 +327,7 @@ def _prepare_runner(model, step, batch, config, inputs, device, outputs, variant
 
 def _eager_sensitivity(ctx, model, compiled, runners, inputs, outputs, widths) -> dict[int, float]:
     """Per width: the relative L2 distance of an eager step with its first layer's input perturbed
-    (`fxfuse.bench.sensitivity.perturbed_input`) from the eager step's logits, on the same zeroed KV
+    (`fxfuse.runner.sensitivity.perturbed_input`) from the eager step's logits, on the same zeroed KV
     cache (the plain, uncaptured module: hooks do not run in a replayed graph); empty without eager."""
     if EAGER not in runners:
         return {}
