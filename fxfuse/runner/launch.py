@@ -10,7 +10,8 @@ group; the launcher alone handles it), any exception in the launcher (KeyboardIn
 its SIGTERM handler raises) stops them before it propagates (SIGTERM, then SIGKILL after a grace
 period), and a rank whose launcher dies without cleaning up (SIGKILL) exits on its own. A rank that
 ends abnormally after reporting its result (a C++ destructor's std::terminate at exit) is named on
-stderr; the results stand.
+stderr; the results stand. A rank holds no named semaphore a stop would leak (its progress bars get a
+thread lock), so a stopped run leaves nothing for the resource tracker to warn about.
 Under torchrun (RANK/WORLD_SIZE set) it joins the existing launch instead of spawning.
 """
 
@@ -78,6 +79,7 @@ def _rank_main(rank, world_size, device, port, timeout_s, fn, args, queue):
     # A rank still running shortly before the launcher gives up prints where it is stuck (to stderr).
     faulthandler.dump_traceback_later(max(1.0, timeout_s - 5), exit=False)
     threading.Thread(target=_exit_when_launcher_dies, name="fxfuse-launcher-watch", daemon=True).start()
+    _progress_bars_without_a_semaphore()
     try:
         torch.manual_seed(0)
         if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: ranks must not oversubscribe the cores
@@ -199,6 +201,19 @@ def _sigint_ignored():
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def _progress_bars_without_a_semaphore() -> None:
+    """In a rank: give tqdm (torch's FX interpreter draws its progress bars with it) a thread lock instead of
+    the multiprocessing lock it makes by default. That lock is a named semaphore registered with the
+    launcher's resource tracker; a rank the launcher stops (SIGTERM, then SIGKILL) never unregisters it,
+    so after Ctrl-C or SIGTERM the tracker warned of leaked semaphores once the launcher had exited. A
+    spawned rank shares the lock with no other process, so a thread lock guards the same."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # no tqdm: torch draws no bars, and makes no lock
+        return
+    tqdm.set_lock(threading.RLock())
 
 
 def _exit_when_launcher_dies() -> None:
