@@ -4,8 +4,9 @@ Arguments are parsed, and output paths checked, before torch is imported, so `--
 input answer at once. Each subcommand is one `_add_<name>_parser` function that declares its
 options and a handler that imports the heavy modules it needs. Bad input ends in one
 `fxfuse: error:` line with exit status 2, a failed rank in one such line with exit status 1
-(`--verbose`, before or after the subcommand, adds its traceback), Ctrl-C in one line with exit status
-130 and SIGTERM in one line with exit status 143, in both cases after the rank processes were stopped.
+(`--verbose`, before or after the subcommand, adds its traceback; a rank killed for memory is told what
+to lower), Ctrl-C in one line with exit status 130 and SIGTERM in one line with exit status 143, in
+both cases after the rank processes were stopped.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parser(commands)
     _add_plan_parser(commands)
     _add_tune_parser(commands)
-    parser.set_defaults(handler=None, command_parser=parser, missing=f"choose a command: {', '.join(commands.choices)}")
+    parser.set_defaults(handler=None, command_parser=parser, missing=f"choose a command: {', '.join(commands.choices)}",
+                        memory_advice=None)
     return parser
 
 
@@ -114,6 +116,12 @@ def _add_run_parser(commands) -> None:
                    help="keep weights in bf16 (dequantized on load), FP8 blocks or INT4 experts; see `fxfuse plan` "
                         f"(default {d.weights})")
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON to PATH (default: none)")
+    p.set_defaults(memory_advice=RUN_MEMORY_ADVICE)
+
+
+#: What `fxfuse run` can lower when a rank was killed for memory (`RankFailed.killed_for_memory`).
+RUN_MEMORY_ADVICE = ("to need less memory: a smaller --batch, fewer --layers, a smaller --tp (fewer processes on this "
+                     "machine), or --compare none (no eager copy of the model)")
 
 
 def _run_command(args) -> int:
@@ -414,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fxfuse: error: {exc}", file=sys.stderr)
         return 2
     except RankFailed as exc:
-        print(f"fxfuse: error: rank {exc.rank} failed: {exc.error}", file=sys.stderr)
+        advice = f"; {args.memory_advice}" if exc.killed_for_memory and args.memory_advice else ""
+        print(f"fxfuse: error: rank {exc.rank} failed: {exc.error}{advice}", file=sys.stderr)
         if args.verbose:
             print(exc.traceback, file=sys.stderr)
         return 1

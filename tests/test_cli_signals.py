@@ -1,6 +1,7 @@
 """Stopping `fxfuse run` from outside: Ctrl-C ends it with exit status 130 and SIGTERM with 143, each with
 one `fxfuse: error:` line and no traceback or warning after it, and no rank process outlives it (the
-launcher stops them; a rank whose launcher was killed outright exits on its own)."""
+launcher stops them; a rank whose launcher was killed outright exits on its own). A rank killed by SIGKILL
+mid-run is named, said to have probably run out of memory, and `fxfuse run` says what to lower."""
 
 from __future__ import annotations
 
@@ -173,8 +174,30 @@ def test_a_rank_killed_mid_run_is_named_and_the_run_ends(tmp_path):
         assert proc.returncode == 1
         last = err.splitlines()[-1]
         assert last.startswith("fxfuse: error: rank ") and "(SIGKILL) ended without reporting a result" in last, err[-3000:]
+        assert "most likely the kernel's out-of-memory killer" in last and "a smaller --batch, fewer --layers" in last
         assert "Traceback" not in err, err[-3000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_a_rank_killed_for_memory_is_told_what_to_lower(monkeypatch, capsys):
+    """A rank that died by SIGKILL without reporting (what the out-of-memory killer does) is said to have
+    probably run out of memory, and `fxfuse run` names the options that need less; other failures are not."""
+    import fxfuse.runner.run
+    from fxfuse.cli import RUN_MEMORY_ADVICE
+    from fxfuse.runner.errors import RankFailed
+    from fxfuse.runner.launch import OOM_KILLED
+
+    error = f"rank 1 (SIGKILL) ended without reporting a result{OOM_KILLED}"
+    failures = iter([RankFailed(error, 1, error, killed_for_memory=True), RankFailed("boom", 0, "ValueError: boom")])
+
+    def failed(setup):
+        raise next(failures)
+
+    monkeypatch.setattr(fxfuse.runner.run, "run_prepared", failed)
+    assert main(["run"]) == 1
+    assert capsys.readouterr().err == f"fxfuse: error: rank 1 failed: {error}; {RUN_MEMORY_ADVICE}\n"
+    assert main(["run"]) == 1
+    assert capsys.readouterr().err == "fxfuse: error: rank 0 failed: ValueError: boom\n"

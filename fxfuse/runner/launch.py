@@ -4,7 +4,9 @@
 each (gloo on CPU, NCCL on CUDA), calls `fn(ctx, *args)` with that rank's `ParallelContext`, and
 returns every rank's result in rank order. A rank that raises makes the whole call raise with that
 rank's traceback, and the other ranks are stopped, so a failure never turns into a hang; so does a
-rank that has not finished `timeout_s` seconds after the start (the error names the ranks that hung).
+rank that has not finished `timeout_s` seconds after the start (the error names the ranks that hung),
+and a rank that dies without reporting (named with its exit status or signal; one killed by SIGKILL is
+said to have probably run out of memory: that is the out-of-memory killer's signal).
 The ranks never outlive the launcher: they ignore Ctrl-C (SIGINT goes to the whole terminal's process
 group; the launcher alone handles it), any exception in the launcher (KeyboardInterrupt, or whatever
 its SIGTERM handler raises) stops them before it propagates (SIGTERM, then SIGKILL after a grace
@@ -46,6 +48,10 @@ EXIT_GRACE_S = 5.0
 TERMINATE_GRACE_S = 2.0
 #: Exit status of a rank that found its launcher gone.
 LAUNCHER_GONE_STATUS = 3
+#: Said of a rank that died by SIGKILL without reporting: the launcher sends SIGKILL only when it stops the
+#: ranks itself (never while it waits for their results), and SIGKILL is what the out-of-memory killer sends.
+OOM_KILLED = (": SIGKILL from outside fxfuse, most likely the kernel's out-of-memory killer (`dmesg` names what it "
+              "killed), so it probably ran out of memory")
 
 
 def under_torchrun() -> bool:
@@ -140,8 +146,9 @@ def run_on_ranks(
             if report is None:
                 dead = {r: p.exitcode for r, p in enumerate(procs) if not p.is_alive() and r not in results}
                 named = ", ".join(f"rank {r} ({_exit_status(code)})" for r, code in sorted(dead.items()))
-                raise RankFailed(f"{named} ended without reporting a result; the other ranks were stopped",
-                                 min(dead), f"{named} ended without reporting a result")
+                killed = -signal.SIGKILL in dead.values()
+                error = f"{named} ended without reporting a result" + (OOM_KILLED if killed else "")
+                raise RankFailed(f"{error}; the other ranks were stopped", min(dead), error, killed_for_memory=killed)
             rank, ok, payload = report
             if not ok:
                 error, traceback_text = payload
