@@ -87,7 +87,9 @@ def _add_run_parser(commands) -> None:
     source.add_argument("--checkpoint", metavar="DIR", help="Hugging Face DeepSeek-V3-format checkpoint directory (default: none)")
     p.add_argument("--layers", type=at_least(1), default=None, metavar="N",
                    help="keep full width but only the first N layers (default: all)")
-    p.add_argument("--tp", type=at_least(1), default=d.tp, help=f"tensor parallel size = number of processes (default {d.tp})")
+    p.add_argument("--tp", type=at_least(1), default=None,
+                   help=f"tensor parallel size = number of processes (default {d.tp}; under torchrun its WORLD_SIZE, "
+                        "which a given --tp must match)")
     p.add_argument("--device", choices=DEVICES, default=d.device, help=f"cpu (gloo) or cuda (NCCL, one GPU per rank) (default {d.device})")
     p.add_argument("--backend", choices=BACKENDS, default=d.backend, help=f"how the step is compiled (default {d.backend})")
     p.add_argument("--inner", choices=INNER_COMPILERS, default=None,
@@ -129,9 +131,12 @@ def _run_command(args) -> int:
 
     if args.json is not None:
         check_output_file(args.json, "--json")
+    from fxfuse.runner.torchrun import launched_world_size
+
     preset = args.preset if (args.preset or args.checkpoint) else RunOptions().preset
+    tp = args.tp or launched_world_size() or RunOptions().tp  # under torchrun each process is one rank
     options = RunOptions(
-        preset=preset, checkpoint=args.checkpoint, layers=args.layers, tp=args.tp, device=args.device,
+        preset=preset, checkpoint=args.checkpoint, layers=args.layers, tp=tp, device=args.device,
         backend=args.backend, inner=args.inner, dtype=args.dtype, batch=args.batch, prompt_len=args.prompt_len,
         tokens_per_step=args.tokens_per_step, steps=args.steps, compare=args.compare, seed=args.seed,
         cuda_graph=args.cuda_graph, graph_widths=args.graph_widths, weights=args.weights, dynamic=args.dynamic,

@@ -158,6 +158,36 @@ def test_dynamic_reaches_the_run_options(monkeypatch):
     assert seen == [("on", True), ("off", False)]  # auto on CPU: static shapes, as before
 
 
+
+#: What torchrun tells each of the 2 processes it starts (rank 0's view).
+TORCHRUN_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29500"}
+
+
+def test_under_torchrun_the_launch_decides_the_tp(monkeypatch, capsys):
+    """Each torchrun process is one rank: a --tp other than its WORLD_SIZE is refused before any work (it
+    used to run at the launch's size silently); without --tp the launch's size is the run's."""
+    import fxfuse.bench.model
+    import fxfuse.runner.run
+
+    started = []
+
+    def start(setup):
+        started.append(setup.options.tp)
+        raise KeyboardInterrupt  # the checks passed: stop here
+
+    monkeypatch.setattr(fxfuse.runner.run, "run_prepared", start)
+    monkeypatch.setattr(fxfuse.bench.model, "run_on_ranks", lambda *a, **k: pytest.fail("the benchmark started"))
+    for name, value in TORCHRUN_ENV.items():
+        monkeypatch.setenv(name, value)
+    message = ("fxfuse: error: --tp 4, but torchrun started 2 processes (WORLD_SIZE=2) and each is one rank: give --tp 2, "
+               "or start 4 (torchrun --nproc-per-node 4)\n")
+    assert main(["run", "--tp", "4"]) == 2 and capsys.readouterr().err == message
+    assert main(["bench", "model", "--device", "cpu", "--tp", "4"]) == 2 and capsys.readouterr().err == message
+    assert main(["run", "--tp", "2"]) == 130 and started == [2]
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main(["run"]) == 130 and started == [2, 4]
+
 def test_verbose_is_taken_before_or_after_the_subcommand():
     from fxfuse.cli import build_parser
 

@@ -72,7 +72,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=at_least(1), default=None,
                    help=f"decoder layers (default {DEFAULT_LAYERS}: 3 dense + 1 MoE for deepseek-v3; all of a preset with fewer)")
     p.add_argument("--tp", type=at_least(1), default=None,
-                   help="tensor-parallel size (default: all visible GPUs on cuda, 1 on cpu)")
+                   help="tensor-parallel size (default: all visible GPUs on cuda, 1 on cpu; under torchrun its "
+                        "WORLD_SIZE, which a given --tp must match)")
     p.add_argument("--tokens", default=_joined(DEFAULT_TOKENS),
                    help=f"comma-separated step widths, at most 128 (default {_joined(DEFAULT_TOKENS)})")
     p.add_argument("--batch", default=_joined(DEFAULT_BATCHES),

@@ -42,11 +42,12 @@ from fxfuse.bench.arguments import DEFAULT_CONTEXT, DEFAULT_LAYERS, DEFAULT_PRES
 from fxfuse.bench.model_report import markdown, write_report
 from fxfuse.bench.output import mode_name, package_versions, publish, relative_l2_error, report_header
 from fxfuse.command_line import CommandParser, check_output_dir, parsed_or_status
-from fxfuse.runner.launch import run_on_ranks, under_torchrun
+from fxfuse.runner.launch import run_on_ranks
 from fxfuse.runner.options import BACKENDS, check_host_memory, resolve_dynamic
 from fxfuse.runner.progress import Progress
 from fxfuse.runner.sensitivity import SENSITIVITY_FACTOR, TOLERANCE, check_bound, perturbed_input
 from fxfuse.runner.step_backends import CompiledStep, compile_step
+from fxfuse.runner.torchrun import check_tp_matches_launch, launched_world_size
 
 @dataclass(frozen=True)
 class ModelBenchConfig:
@@ -157,14 +158,19 @@ def _int_list(flag: str, text: str) -> tuple[int, ...]:
 
 
 def _tensor_parallel_size(args: argparse.Namespace) -> int:
+    """--tp, or its default: under torchrun the launch's world size (a different --tp is refused), else all
+    visible GPUs on cuda and 1 on cpu."""
+    launched = launched_world_size()
+    if launched is not None and args.tp is not None:
+        check_tp_matches_launch(args.tp)
     if args.device == "cpu":
-        return args.tp or 1
+        return launched or args.tp or 1
     if not torch.cuda.is_available():
         raise BenchInputError("fxfuse bench model needs CUDA GPUs (use --device cpu for a smoke run of the code)")
     gpus = torch.cuda.device_count()
+    if launched is not None:
+        return launched
     tp = args.tp or gpus
-    if under_torchrun():
-        return tp
     if tp > gpus:
         raise BenchInputError(f"--tp {tp} needs {tp} GPUs (one process per GPU), but only {gpus} are present")
     return tp

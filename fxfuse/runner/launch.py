@@ -39,6 +39,7 @@ import torch.multiprocessing as mp
 
 from fxfuse.models.parallel import ParallelContext
 from fxfuse.runner.errors import RankFailed
+from fxfuse.runner.torchrun import under_torchrun
 
 #: NVLink multicast stays off in every process we start (see DESIGN.md / DEVICE.md).
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -52,11 +53,6 @@ LAUNCHER_GONE_STATUS = 3
 #: ranks itself (never while it waits for their results), and SIGKILL is what the out-of-memory killer sends.
 OOM_KILLED = (": SIGKILL from outside fxfuse, most likely the kernel's out-of-memory killer (`dmesg` names what it "
               "killed), so it probably ran out of memory")
-
-
-def under_torchrun() -> bool:
-    """True when this process was started by torchrun (or any launcher that sets RANK/WORLD_SIZE)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
 def free_port() -> int:

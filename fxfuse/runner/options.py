@@ -6,12 +6,13 @@ checks it in the launching process, before any rank starts, and returns a `RunSe
 the CUDA-graph and inner-compiler choices resolved, the model config, where the weights come from; its
 `dynamic_shapes` resolves `--dynamic`) or raises `RunError` with a message that names the problem: unknown
 preset, unreadable or malformed checkpoint (its config.json, or its safetensors headers), tp size that
-does not divide the model (naming the sizes that do), CUDA asked where there is none, more GPUs asked
-than present, bad backend, inner compiler, dtype or dynamic-shapes choice, CUDA graphs or graph widths
-without CUDA, a step width above 128, a KV cache longer than the model allows, a bad FXFUSE_* setting of
-the fused op, or a memory plan that does not fit the GPU (CUDA) or this machine's memory (CPU: every
-rank shares it). The cheap checks come first and need no torch; the settings' thresholds file, the
-checkpoint headers and the memory plan import it. `fxfuse.runner.setup` then builds the model on each rank.
+does not divide the model (naming the sizes that do), a tp other than torchrun's world size (under
+torchrun), CUDA asked where there is none, more GPUs asked than present, bad backend, inner compiler,
+dtype or dynamic-shapes choice, CUDA graphs or graph widths without CUDA, a step width above 128, a KV
+cache longer than the model allows, a bad FXFUSE_* setting of the fused op, or a memory plan that does
+not fit the GPU (CUDA) or this machine's memory (CPU: every rank shares it). The cheap checks come first
+and need no torch; the settings' thresholds file, the checkpoint headers and the memory plan import it.
+`fxfuse.runner.setup` then builds the model on each rank.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fxfuse.models.config import ModelConfig
 from fxfuse.models.quant.scheme import QuantScheme
 from fxfuse.models.presets import get_preset
 from fxfuse.runner.errors import RunError
+from fxfuse.runner.torchrun import check_tp_matches_launch
 
 #: How a step can be compiled (`fxfuse.runner.step_backends.compile_step`).
 BACKENDS = ("eager", "inductor", "fxfuse")
@@ -155,6 +157,7 @@ def prepare_run(options: RunOptions) -> RunSetup:
             raise RunError(f"{flag} must be at least 1 (got {getattr(options, name)})")
     if options.tokens_per_step > MAX_STEP_WIDTH:
         raise RunError(f"--tokens must be at most {MAX_STEP_WIDTH} (got {options.tokens_per_step})")
+    check_tp_matches_launch(options.tp)  # under torchrun: the processes it started are the ranks
     _check_device(options.device, options.tp)
     options = _resolve_graphs(options)
     dynamic = resolve_dynamic(options.dynamic, auto_dynamic(options))
