@@ -5,8 +5,9 @@ input answer at once. Each subcommand is one `_add_<name>_parser` function that 
 options and a handler that imports the heavy modules it needs. Bad input ends in one
 `fxfuse: error:` line with exit status 2, a failed rank in one such line with exit status 1
 (`--verbose`, before or after the subcommand, adds its traceback; a rank killed for memory is told what
-to lower), Ctrl-C in one line with exit status 130 and SIGTERM in one line with exit status 143, in
-both cases after the rank processes were stopped.
+to lower), a run whose logits leave the `--compare` check's bound in one such line after its summary,
+with exit status 1, Ctrl-C in one line with exit status 130 and SIGTERM in one line with exit status
+143, in both cases after the rank processes were stopped.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ Run a tensor-parallel DeepSeek-V3: prefill a random prompt, then greedy speculat
 of --tokens tokens per sequence, and print a summary. With no arguments: the tiny preset with
 deterministic random weights, tensor parallel over 2 CPU processes (gloo), compiled with the fxfuse
 backend (its fusion passes, then eager) and checked step by step against the uncompiled model; the
-summary says how many all-reduce sites were fused and what the fused op ran.
+summary says how many all-reduce sites were fused, what the fused op ran, and whether the logits stayed
+within the check's bound (exit status 1 if not).
 On --device cuda (NCCL, one process per GPU) the step is captured in one CUDA graph per width
 bucket (--graph-widths) and replayed; other widths run uncaptured.
 """
@@ -151,6 +153,10 @@ def _run_command(args) -> int:
     print(format_run_summary(summary))
     if args.json is not None:
         write_json(args.json, summary)
+    if summary["compare_ok"] is False:
+        print(f"fxfuse: error: the logits differ from --compare {summary['compare']}'s by more than the bound "
+              "(the summary's last line)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -169,8 +175,7 @@ def format_run_summary(summary: dict) -> str:
         f"weights {summary['weights']} ({WEIGHT_DESCRIPTIONS[summary['weights']]}), backend {backend}, {graphs}",
     ]
     if summary["fused_sites"] is not None:
-        lines.append(f"fxfuse fused {summary['fused_sites']} of {summary['allreduce_sites']} all-reduce sites; "
-                     f"the fused op ran {summary['fused_op'] or 'nothing (no site fused)'}")
+        lines.append(_fusion_line(summary))
     lines.append(f"batch {summary['batch']}, prompt {summary['prompt_len']}, {_count(steps, 'step')} of "
                  f"{_count(width, 'token')}: step {summary['step_ms']:.2f} ms median, "
                  f"{summary['step_ms_p90']:.2f} ms p90, {summary['tokens_per_s']:,.0f} tokens/s")
@@ -179,9 +184,38 @@ def format_run_summary(summary: dict) -> str:
     lines.append(f"tokens (sequence 0): {summary['tokens']}")
     lines.append(_drafts_line(summary))
     if summary["compare"] != "none":
-        lines.append(f"max relative error vs {summary['compare']} ({COMPARE_DESCRIPTIONS[summary['compare']]}): "
-                     f"{summary['max_rel_err']:.3e}")
+        lines.append(_compare_line(summary))
     return "\n".join(lines)
+
+
+def _fusion_line(summary: dict) -> str:
+    """What backend fxfuse did with the all-reduce sites, and what its op ran (or why nothing was fused)."""
+    if not summary["allreduce_sites"]:
+        why = "at tp=1 the model issues no collective" if summary["tp"] == 1 else "the compiled step issues none"
+        return f"fxfuse found no all-reduce to fuse ({why})"
+    sites = f"{summary['fused_sites']} of {summary['allreduce_sites']} all-reduce sites"
+    if summary["fxfuse_fusion"] == "off":  # the passes still fuse (they never read the settings); the op does not
+        from fxfuse.op.settings import FusionSettings, what_fused_sites_run
+
+        line = f"fxfuse replaced {sites} with its fused op, but {what_fused_sites_run(FusionSettings(enabled=False))}"
+    else:
+        line = f"fxfuse fused {sites}"
+    return f"{line}; the fused op ran {summary['fused_op'] or 'nothing (no site fused)'}"
+
+
+def _compare_line(summary: dict) -> str:
+    """The `--compare` check with its verdict: the largest error against the bound the model benchmark
+    uses (`fxfuse.runner.sensitivity.check_bound`)."""
+    from fxfuse.runner.sensitivity import SENSITIVITY_FACTOR, TOLERANCE
+
+    compare, bound, sensitivity = summary["compare"], summary["max_rel_err_bound"], summary["eager_sensitivity"]
+    verdict = "ok, within" if summary["compare_ok"] else "FAILED, above"
+    if sensitivity is None:
+        rule = f"a fixed {TOLERANCE:g}; the model's sensitivity is measured with --compare eager only"
+    else:
+        rule = f"the larger of {TOLERANCE:g} and {SENSITIVITY_FACTOR:g} x the model's own sensitivity to rounding, {sensitivity:.1e}"
+    return (f"max relative error vs {compare} ({COMPARE_DESCRIPTIONS[compare]}): {summary['max_rel_err']:.3e}: "
+            f"{verdict} the bound {bound:.3g} ({rule})")
 
 
 def _count(n: int, noun: str) -> str:

@@ -4,6 +4,7 @@ before any work)."""
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,7 +47,9 @@ def test_the_built_in_job_fuses_every_site_and_matches_eager(tmp_path, capfd):
     assert (summary["backend"], summary["inner_compiler"], summary["compare"]) == ("fxfuse", "eager", "eager")
     assert summary["allreduce_sites"] == summary["fused_sites"] == 9
     assert summary["fused_op"] == "the CPU reference kernel: gloo all-reduce + float32 RMSNorm"
-    assert summary["max_rel_err"] <= 1e-4
+    assert summary["fxfuse_fusion"] == "auto"
+    assert summary["max_rel_err"] <= 1e-4  # float32: the fused op and eager differ by rounding only
+    assert summary["compare_ok"] and summary["max_rel_err"] <= summary["max_rel_err_bound"]
     captured = capfd.readouterr()
     assert "backend fxfuse (fusion passes, then eager)" in captured.out
     assert ("fxfuse fused 9 of 9 all-reduce sites; the fused op ran the CPU reference kernel: gloo all-reduce + "
@@ -64,8 +67,24 @@ def test_the_built_in_job_fuses_every_site_and_matches_eager(tmp_path, capfd):
     assert not [key for key in summary if f"`{key}`" not in readme]  # the README documents every summary field
     sample = readme.split("## What `scripts/dev run` shows", 1)[1].split("```\n", 2)[1].splitlines()
     printed = captured.out.splitlines()
-    # the README's sample is this output, timings aside
-    assert [line for i, line in enumerate(sample) if i != 2] == [line for i, line in enumerate(printed) if i != 2]
+    # the README's sample is this output, timings aside, and the check's numbers aside: float32 rounding
+    # differs between CPUs (the error was 4.390e-07 on one, 3.477e-07 on another), so each is held to its bound
+    for lines in (sample, printed):
+        error, bound = compare_line_numbers(lines[-1])
+        assert error <= bound
+    assert [line for i, line in enumerate(sample) if i != 2][:-1] == [line for i, line in enumerate(printed) if i != 2][:-1]
+    assert ROUNDED.sub("<n>", sample[-1]) == ROUNDED.sub("<n>", printed[-1])
+
+
+#: The numbers of the summary's check line that float32 rounding decides: the error and the sensitivity.
+ROUNDED = re.compile(r"\d\.\d+e[-+]\d+")
+
+
+def compare_line_numbers(line: str) -> tuple[float, float]:
+    """(error, bound) of the summary's `max relative error vs ...` line."""
+    match = re.fullmatch(r"max relative error vs .*?: (\S+): ok, within the bound (\S+) \(.*\)", line)
+    assert match, line
+    return float(match[1]), float(match[2])
 
 
 @pytest.mark.slow

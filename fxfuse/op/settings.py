@@ -58,6 +58,13 @@ class FusionSettings:
     pcie_profile: str | None = None
     pcie_tune_cache: str | None = None
 
+    @property
+    def fusion(self) -> str:
+        """The `FXFUSE_FUSION` value these settings stand for: auto, oneshot, twoshot, pcie or off."""
+        if not self.enabled:
+            return "off"
+        return "auto" if self.force_mode is None else self.force_mode.value
+
     def __post_init__(self) -> None:
         if self.force_mode is FusionMode.FALLBACK:
             raise ValueError("force_mode must be oneshot, twoshot or pcie; use enabled=False to always fall back")
