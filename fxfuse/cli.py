@@ -22,13 +22,16 @@ import sys
 import threading
 from typing import Iterator
 
-from fxfuse.command_line import CommandParser, at_least, check_output_file, int_list, positive_float, write_json
+from fxfuse.command_line import (
+    WEIGHT_SPELLINGS, CommandParser, add_dtype_option, at_least, check_output_file, int_list, positive_float, spelled,
+    write_json,
+)
 from fxfuse.models.presets import PRESETS
 from fxfuse.models.quant.scheme import WEIGHT_FORMATS
 from fxfuse.runner.errors import RankFailed, Terminated
 from fxfuse.runner.options import (
-    BACKENDS, COMPARE_TARGETS, DEFAULT_INNER, DEFAULT_WIDTHS, DEVICES, DTYPE_BYTES, DYNAMIC_CHOICES, INNER_COMPILERS,
-    MAX_STEP_WIDTH, RunOptions,
+    BACKENDS, BF16_WHY, COMPARE_TARGETS, DEFAULT_DTYPE, DEFAULT_INNER, DEFAULT_WIDTHS, DEVICES, DTYPE_BYTES, DYNAMIC_CHOICES,
+    INNER_COMPILERS, MAX_STEP_WIDTH, RunOptions,
 )
 
 DTYPE_CHOICES = tuple(DTYPE_BYTES)
@@ -97,7 +100,8 @@ def _add_run_parser(commands) -> None:
     p.add_argument("--inner", choices=INNER_COMPILERS, default=None,
                    help="what compiles the graph after the fxfuse passes, with --backend fxfuse (default: "
                         + ", ".join(f"{inner} on {device}" for device, inner in DEFAULT_INNER.items()) + ")")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=d.dtype, help=f"weights and activations (default {d.dtype})")
+    add_dtype_option(p, DTYPE_CHOICES, None, "weights and activations (default: "
+                     + "; ".join(f"{dtype} on {device}, {why}" for device, (dtype, why) in DEFAULT_DTYPE.items()) + ")")
     p.add_argument("--batch", type=at_least(1), default=d.batch, help=f"sequences per step (default {d.batch})")
     p.add_argument("--prompt-len", type=at_least(1), default=d.prompt_len, help=f"prompt tokens per sequence (default {d.prompt_len})")
     p.add_argument("--tokens", type=at_least(1), default=d.tokens_per_step, dest="tokens_per_step", metavar="TOKENS",
@@ -116,9 +120,9 @@ def _add_run_parser(commands) -> None:
                         "when the verify step replays a CUDA graph or no CUDA graphs are captured, dynamic when "
                         f"graphs are captured but not for the verify width (default {d.dynamic})")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed of the random weights and prompt (default {d.seed})")
-    p.add_argument("--weights", choices=WEIGHT_FORMATS, default=d.weights,
-                   help="keep weights in bf16 (dequantized on load), FP8 blocks or INT4 experts; see `fxfuse plan` "
-                        f"(default {d.weights})")
+    p.add_argument("--weights", type=spelled(WEIGHT_SPELLINGS), choices=WEIGHT_FORMATS, default=d.weights,
+                   help="keep weights in bf16 (also spelled bfloat16; dequantized on load), FP8 blocks or INT4 experts; "
+                        f"see `fxfuse plan` (default {d.weights})")
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON to PATH (default: none)")
     p.set_defaults(memory_advice=RUN_MEMORY_ADVICE)
 
@@ -252,8 +256,8 @@ def _add_report_parser(commands) -> None:
     p.add_argument("--layers", type=at_least(1), default=None, metavar="N",
                    help="keep full width but only the first N layers (default: all)")
     p.add_argument("--tp", type=at_least(1), default=2, help="tensor parallel size to trace for (default 2)")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
-                   help="weights and activations (default bfloat16)")
+    add_dtype_option(p, DTYPE_CHOICES, "bfloat16", f"weights and activations (default bfloat16, as on GPUs: {BF16_WHY}; "
+                     "`fxfuse run` on CPU uses float32)")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH (default: none)")
 
 
@@ -310,13 +314,19 @@ def _add_bench_parser(commands) -> None:
         getattr(arguments, declare)(bench)
 
 
-#: `fxfuse plan`'s default KV-cache length (cut to the model's max_position_embeddings).
+#: `fxfuse plan`'s default KV-cache length (cut to the model's max_position_embeddings) and tensor-parallel
+#: size (cut to the largest size that splits the model).
 PLAN_CONTEXT = 4096
+PLAN_TP = 8
 PLAN_DESCRIPTION = """\
 Per-rank memory plan of a run on GPUs (no weights loaded, no GPU needed), in GB (1e9 bytes): weights,
 KV cache, the fused op's workspace, activations (an estimate), CUDA-graph outputs and a fixed reserve.
-Exits 2 with what would fit when the total exceeds --gpu-memory-gb (default: GPU 0's memory, if any).
+Exits 2 with what would fit when the total exceeds --gpu-memory-gb (default: GPU 0's memory, if any;
+without a GPU and without --gpu-memory-gb it gives no verdict).
 """
+#: What `fxfuse plan` says when it has no GPU memory to check the plan against.
+NO_VERDICT = ("- no verdict: this machine has no GPU and --gpu-memory-gb was not given; give --gpu-memory-gb G "
+              "(one GPU's memory in GB) to check the plan against it")
 
 
 def _add_plan_parser(commands) -> None:
@@ -329,10 +339,12 @@ def _add_plan_parser(commands) -> None:
     source.add_argument("--preset", default=None, help=f"built-in model config: {', '.join(PRESETS)} (default deepseek-v3)")
     source.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (config.json only; default: none)")
     p.add_argument("--layers", type=at_least(1), default=None, metavar="N", help="keep full width but only the first N layers (default: all)")
-    p.add_argument("--tp", type=at_least(1), default=8, help="tensor parallel size (default 8)")
-    p.add_argument("--weights", choices=WEIGHT_FORMATS, default=None,
-                   help="weight format (default: the checkpoint's, bf16 for presets)")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16", help="activations and unquantized weights (default bfloat16)")
+    p.add_argument("--tp", type=at_least(1), default=None,
+                   help=f"tensor parallel size (default {PLAN_TP}, one node of {PLAN_TP} GPUs, or the largest size below "
+                        "it that splits the model: 4 for tiny)")
+    p.add_argument("--weights", type=spelled(WEIGHT_SPELLINGS), choices=WEIGHT_FORMATS, default=None,
+                   help="weight format: bf16 (also spelled bfloat16), fp8 or int4 (default: the checkpoint's, bf16 for presets)")
+    add_dtype_option(p, DTYPE_CHOICES, "bfloat16", f"activations and unquantized weights (default bfloat16, as on GPUs: {BF16_WHY})")
     p.add_argument("--batch", type=at_least(1), default=8, help="sequences per step (default 8)")
     p.add_argument("--context", type=at_least(1), default=None,
                    help=f"KV-cache positions per sequence, at most the model's max_position_embeddings (default "
@@ -350,7 +362,7 @@ def _add_plan_parser(commands) -> None:
 def _plan_command(args) -> int:
     from fxfuse.models.presets import TEXT_OF_MULTIMODAL
     from fxfuse.models.quant.scheme import checkpoint_format
-    from fxfuse.runner.options import check_tp, resolve_model
+    from fxfuse.runner.options import check_tp, resolve_model, tp_sizes
 
     if args.json is not None:
         check_output_file(args.json, "--json")
@@ -363,7 +375,8 @@ def _plan_command(args) -> int:
         name = args.preset or "deepseek-v3"
         config, _ = resolve_model(name, None, args.layers)
         stored, multimodal = checkpoint_format({}), name in TEXT_OF_MULTIMODAL
-    check_tp(config, args.tp)
+    tp = args.tp or max(size for size in tp_sizes(config) if size <= PLAN_TP)
+    check_tp(config, tp)
     widest = max(args.tokens, *args.graph_widths)
     context = min(PLAN_CONTEXT, config.max_position_embeddings) if args.context is None else args.context
     if context > config.max_position_embeddings:
@@ -377,7 +390,7 @@ def _plan_command(args) -> int:
 
     from fxfuse.runner.memory_plan import GB, PlanError, PlanInputs, device_memory_bytes, plan_memory
 
-    inputs = PlanInputs(tp=args.tp, weights=args.weights or stored.weights, dtype=getattr(torch, args.dtype), batch=args.batch,
+    inputs = PlanInputs(tp=tp, weights=args.weights or stored.weights, dtype=getattr(torch, args.dtype), batch=args.batch,
                         context=context, step_tokens=args.tokens, graph_widths=tuple(args.graph_widths),
                         fused_workspace=True, fp8_block=stored.fp8_block, int4_group=stored.int4_group,
                         interconnect=args.interconnect)
@@ -385,6 +398,8 @@ def _plan_command(args) -> int:
     available = (int(args.gpu_memory_gb * GB) if args.gpu_memory_gb is not None
                  else device_memory_bytes() if torch.cuda.is_available() else None)
     print(plan.table(available))
+    if available is None:
+        print(NO_VERDICT)
     if multimodal:
         print(f"- {name} is the text model of a multimodal checkpoint: its vision encoder is neither loaded by `fxfuse run` nor counted here")
     if args.json is not None:
