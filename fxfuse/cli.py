@@ -4,8 +4,10 @@ Arguments are parsed, and output paths checked, before torch is imported, so `--
 input answer at once. Each subcommand is one `_add_<name>_parser` function that declares its
 options and a handler that imports the heavy modules it needs. Bad input ends in one
 `fxfuse: error:` line with exit status 2, a failed rank in one such line with exit status 1
-(`--verbose`, before or after the subcommand, adds its traceback), Ctrl-C in one line with exit status
-130 and SIGTERM in one line with exit status 143, in both cases after the rank processes were stopped.
+(`--verbose`, before or after the subcommand, adds its traceback; a rank killed for memory is told what
+to lower), a run whose logits leave the `--compare` check's bound in one such line after its summary,
+with exit status 1, Ctrl-C in one line with exit status 130 and SIGTERM in one line with exit status
+143, in both cases after the rank processes were stopped.
 """
 
 from __future__ import annotations
@@ -20,13 +22,16 @@ import sys
 import threading
 from typing import Iterator
 
-from fxfuse.command_line import CommandParser, at_least, check_output_file, int_list, positive_float, write_json
+from fxfuse.command_line import (
+    WEIGHT_SPELLINGS, CommandParser, add_dtype_option, at_least, check_output_file, int_list, positive_float, spelled,
+    write_json,
+)
 from fxfuse.models.presets import PRESETS
 from fxfuse.models.quant.scheme import WEIGHT_FORMATS
 from fxfuse.runner.errors import RankFailed, Terminated
 from fxfuse.runner.options import (
-    BACKENDS, COMPARE_TARGETS, DEFAULT_INNER, DEFAULT_WIDTHS, DEVICES, DTYPE_BYTES, DYNAMIC_CHOICES, INNER_COMPILERS,
-    MAX_STEP_WIDTH, RunOptions,
+    BACKENDS, BF16_WHY, COMPARE_TARGETS, DEFAULT_DTYPE, DEFAULT_INNER, DEFAULT_WIDTHS, DEVICES, DTYPE_BYTES, DYNAMIC_CHOICES,
+    INNER_COMPILERS, MAX_STEP_WIDTH, RunOptions,
 )
 
 DTYPE_CHOICES = tuple(DTYPE_BYTES)
@@ -46,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parser(commands)
     _add_plan_parser(commands)
     _add_tune_parser(commands)
-    parser.set_defaults(handler=None, command_parser=parser, missing=f"choose a command: {', '.join(commands.choices)}")
+    parser.set_defaults(handler=None, command_parser=parser, missing=f"choose a command: {', '.join(commands.choices)}",
+                        memory_advice=None)
     return parser
 
 
@@ -70,7 +76,8 @@ Run a tensor-parallel DeepSeek-V3: prefill a random prompt, then greedy speculat
 of --tokens tokens per sequence, and print a summary. With no arguments: the tiny preset with
 deterministic random weights, tensor parallel over 2 CPU processes (gloo), compiled with the fxfuse
 backend (its fusion passes, then eager) and checked step by step against the uncompiled model; the
-summary says how many all-reduce sites were fused and what the fused op ran.
+summary says how many all-reduce sites were fused, what the fused op ran, and whether the logits stayed
+within the check's bound (exit status 1 if not).
 On --device cuda (NCCL, one process per GPU) the step is captured in one CUDA graph per width
 bucket (--graph-widths) and replayed; other widths run uncaptured.
 """
@@ -85,13 +92,16 @@ def _add_run_parser(commands) -> None:
     source.add_argument("--checkpoint", metavar="DIR", help="Hugging Face DeepSeek-V3-format checkpoint directory (default: none)")
     p.add_argument("--layers", type=at_least(1), default=None, metavar="N",
                    help="keep full width but only the first N layers (default: all)")
-    p.add_argument("--tp", type=at_least(1), default=d.tp, help=f"tensor parallel size = number of processes (default {d.tp})")
+    p.add_argument("--tp", type=at_least(1), default=None,
+                   help=f"tensor parallel size = number of processes (default {d.tp}; under torchrun its WORLD_SIZE, "
+                        "which a given --tp must match)")
     p.add_argument("--device", choices=DEVICES, default=d.device, help=f"cpu (gloo) or cuda (NCCL, one GPU per rank) (default {d.device})")
     p.add_argument("--backend", choices=BACKENDS, default=d.backend, help=f"how the step is compiled (default {d.backend})")
     p.add_argument("--inner", choices=INNER_COMPILERS, default=None,
                    help="what compiles the graph after the fxfuse passes, with --backend fxfuse (default: "
                         + ", ".join(f"{inner} on {device}" for device, inner in DEFAULT_INNER.items()) + ")")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=d.dtype, help=f"weights and activations (default {d.dtype})")
+    add_dtype_option(p, DTYPE_CHOICES, None, "weights and activations (default: "
+                     + "; ".join(f"{dtype} on {device}, {why}" for device, (dtype, why) in DEFAULT_DTYPE.items()) + ")")
     p.add_argument("--batch", type=at_least(1), default=d.batch, help=f"sequences per step (default {d.batch})")
     p.add_argument("--prompt-len", type=at_least(1), default=d.prompt_len, help=f"prompt tokens per sequence (default {d.prompt_len})")
     p.add_argument("--tokens", type=at_least(1), default=d.tokens_per_step, dest="tokens_per_step", metavar="TOKENS",
@@ -110,10 +120,16 @@ def _add_run_parser(commands) -> None:
                         "when the verify step replays a CUDA graph or no CUDA graphs are captured, dynamic when "
                         f"graphs are captured but not for the verify width (default {d.dynamic})")
     p.add_argument("--seed", type=int, default=d.seed, help=f"seed of the random weights and prompt (default {d.seed})")
-    p.add_argument("--weights", choices=WEIGHT_FORMATS, default=d.weights,
-                   help="keep weights in bf16 (dequantized on load), FP8 blocks or INT4 experts; see `fxfuse plan` "
-                        f"(default {d.weights})")
+    p.add_argument("--weights", type=spelled(WEIGHT_SPELLINGS), choices=WEIGHT_FORMATS, default=d.weights,
+                   help="keep weights in bf16 (also spelled bfloat16; dequantized on load), FP8 blocks or INT4 experts; "
+                        f"see `fxfuse plan` (default {d.weights})")
     p.add_argument("--json", metavar="PATH", help="also write the summary as JSON to PATH (default: none)")
+    p.set_defaults(memory_advice=RUN_MEMORY_ADVICE)
+
+
+#: What `fxfuse run` can lower when a rank was killed for memory (`RankFailed.killed_for_memory`).
+RUN_MEMORY_ADVICE = ("to need less memory: a smaller --batch, fewer --layers, a smaller --tp (fewer processes on this "
+                     "machine), or --compare none (no eager copy of the model)")
 
 
 def _run_command(args) -> int:
@@ -121,9 +137,12 @@ def _run_command(args) -> int:
 
     if args.json is not None:
         check_output_file(args.json, "--json")
+    from fxfuse.runner.torchrun import launched_world_size
+
     preset = args.preset if (args.preset or args.checkpoint) else RunOptions().preset
+    tp = args.tp or launched_world_size() or RunOptions().tp  # under torchrun each process is one rank
     options = RunOptions(
-        preset=preset, checkpoint=args.checkpoint, layers=args.layers, tp=args.tp, device=args.device,
+        preset=preset, checkpoint=args.checkpoint, layers=args.layers, tp=tp, device=args.device,
         backend=args.backend, inner=args.inner, dtype=args.dtype, batch=args.batch, prompt_len=args.prompt_len,
         tokens_per_step=args.tokens_per_step, steps=args.steps, compare=args.compare, seed=args.seed,
         cuda_graph=args.cuda_graph, graph_widths=args.graph_widths, weights=args.weights, dynamic=args.dynamic,
@@ -138,6 +157,10 @@ def _run_command(args) -> int:
     print(format_run_summary(summary))
     if args.json is not None:
         write_json(args.json, summary)
+    if summary["compare_ok"] is False:
+        print(f"fxfuse: error: the logits differ from --compare {summary['compare']}'s by more than the bound "
+              "(the summary's last line)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -156,8 +179,7 @@ def format_run_summary(summary: dict) -> str:
         f"weights {summary['weights']} ({WEIGHT_DESCRIPTIONS[summary['weights']]}), backend {backend}, {graphs}",
     ]
     if summary["fused_sites"] is not None:
-        lines.append(f"fxfuse fused {summary['fused_sites']} of {summary['allreduce_sites']} all-reduce sites; "
-                     f"the fused op ran {summary['fused_op'] or 'nothing (no site fused)'}")
+        lines.append(_fusion_line(summary))
     lines.append(f"batch {summary['batch']}, prompt {summary['prompt_len']}, {_count(steps, 'step')} of "
                  f"{_count(width, 'token')}: step {summary['step_ms']:.2f} ms median, "
                  f"{summary['step_ms_p90']:.2f} ms p90, {summary['tokens_per_s']:,.0f} tokens/s")
@@ -166,9 +188,38 @@ def format_run_summary(summary: dict) -> str:
     lines.append(f"tokens (sequence 0): {summary['tokens']}")
     lines.append(_drafts_line(summary))
     if summary["compare"] != "none":
-        lines.append(f"max relative error vs {summary['compare']} ({COMPARE_DESCRIPTIONS[summary['compare']]}): "
-                     f"{summary['max_rel_err']:.3e}")
+        lines.append(_compare_line(summary))
     return "\n".join(lines)
+
+
+def _fusion_line(summary: dict) -> str:
+    """What backend fxfuse did with the all-reduce sites, and what its op ran (or why nothing was fused)."""
+    if not summary["allreduce_sites"]:
+        why = "at tp=1 the model issues no collective" if summary["tp"] == 1 else "the compiled step issues none"
+        return f"fxfuse found no all-reduce to fuse ({why})"
+    sites = f"{summary['fused_sites']} of {summary['allreduce_sites']} all-reduce sites"
+    if summary["fxfuse_fusion"] == "off":  # the passes still fuse (they never read the settings); the op does not
+        from fxfuse.op.settings import FusionSettings, what_fused_sites_run
+
+        line = f"fxfuse replaced {sites} with its fused op, but {what_fused_sites_run(FusionSettings(enabled=False))}"
+    else:
+        line = f"fxfuse fused {sites}"
+    return f"{line}; the fused op ran {summary['fused_op'] or 'nothing (no site fused)'}"
+
+
+def _compare_line(summary: dict) -> str:
+    """The `--compare` check with its verdict: the largest error against the bound the model benchmark
+    uses (`fxfuse.runner.sensitivity.check_bound`)."""
+    from fxfuse.runner.sensitivity import SENSITIVITY_FACTOR, TOLERANCE
+
+    compare, bound, sensitivity = summary["compare"], summary["max_rel_err_bound"], summary["eager_sensitivity"]
+    verdict = "ok, within" if summary["compare_ok"] else "FAILED, above"
+    if sensitivity is None:
+        rule = f"a fixed {TOLERANCE:g}; the model's sensitivity is measured with --compare eager only"
+    else:
+        rule = f"the larger of {TOLERANCE:g} and {SENSITIVITY_FACTOR:g} x the model's own sensitivity to rounding, {sensitivity:.1e}"
+    return (f"max relative error vs {compare} ({COMPARE_DESCRIPTIONS[compare]}): {summary['max_rel_err']:.3e}: "
+            f"{verdict} the bound {bound:.3g} ({rule})")
 
 
 def _count(n: int, noun: str) -> str:
@@ -205,8 +256,8 @@ def _add_report_parser(commands) -> None:
     p.add_argument("--layers", type=at_least(1), default=None, metavar="N",
                    help="keep full width but only the first N layers (default: all)")
     p.add_argument("--tp", type=at_least(1), default=2, help="tensor parallel size to trace for (default 2)")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
-                   help="weights and activations (default bfloat16)")
+    add_dtype_option(p, DTYPE_CHOICES, "bfloat16", f"weights and activations (default bfloat16, as on GPUs: {BF16_WHY}; "
+                     "`fxfuse run` on CPU uses float32)")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH (default: none)")
 
 
@@ -263,13 +314,19 @@ def _add_bench_parser(commands) -> None:
         getattr(arguments, declare)(bench)
 
 
-#: `fxfuse plan`'s default KV-cache length (cut to the model's max_position_embeddings).
+#: `fxfuse plan`'s default KV-cache length (cut to the model's max_position_embeddings) and tensor-parallel
+#: size (cut to the largest size that splits the model).
 PLAN_CONTEXT = 4096
+PLAN_TP = 8
 PLAN_DESCRIPTION = """\
 Per-rank memory plan of a run on GPUs (no weights loaded, no GPU needed), in GB (1e9 bytes): weights,
 KV cache, the fused op's workspace, activations (an estimate), CUDA-graph outputs and a fixed reserve.
-Exits 2 with what would fit when the total exceeds --gpu-memory-gb (default: GPU 0's memory, if any).
+Exits 2 with what would fit when the total exceeds --gpu-memory-gb (default: GPU 0's memory, if any;
+without a GPU and without --gpu-memory-gb it gives no verdict).
 """
+#: What `fxfuse plan` says when it has no GPU memory to check the plan against.
+NO_VERDICT = ("- no verdict: this machine has no GPU and --gpu-memory-gb was not given; give --gpu-memory-gb G "
+              "(one GPU's memory in GB) to check the plan against it")
 
 
 def _add_plan_parser(commands) -> None:
@@ -282,10 +339,12 @@ def _add_plan_parser(commands) -> None:
     source.add_argument("--preset", default=None, help=f"built-in model config: {', '.join(PRESETS)} (default deepseek-v3)")
     source.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory (config.json only; default: none)")
     p.add_argument("--layers", type=at_least(1), default=None, metavar="N", help="keep full width but only the first N layers (default: all)")
-    p.add_argument("--tp", type=at_least(1), default=8, help="tensor parallel size (default 8)")
-    p.add_argument("--weights", choices=WEIGHT_FORMATS, default=None,
-                   help="weight format (default: the checkpoint's, bf16 for presets)")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16", help="activations and unquantized weights (default bfloat16)")
+    p.add_argument("--tp", type=at_least(1), default=None,
+                   help=f"tensor parallel size (default {PLAN_TP}, one node of {PLAN_TP} GPUs, or the largest size below "
+                        "it that splits the model: 4 for tiny)")
+    p.add_argument("--weights", type=spelled(WEIGHT_SPELLINGS), choices=WEIGHT_FORMATS, default=None,
+                   help="weight format: bf16 (also spelled bfloat16), fp8 or int4 (default: the checkpoint's, bf16 for presets)")
+    add_dtype_option(p, DTYPE_CHOICES, "bfloat16", f"activations and unquantized weights (default bfloat16, as on GPUs: {BF16_WHY})")
     p.add_argument("--batch", type=at_least(1), default=8, help="sequences per step (default 8)")
     p.add_argument("--context", type=at_least(1), default=None,
                    help=f"KV-cache positions per sequence, at most the model's max_position_embeddings (default "
@@ -303,7 +362,7 @@ def _add_plan_parser(commands) -> None:
 def _plan_command(args) -> int:
     from fxfuse.models.presets import TEXT_OF_MULTIMODAL
     from fxfuse.models.quant.scheme import checkpoint_format
-    from fxfuse.runner.options import check_tp, resolve_model
+    from fxfuse.runner.options import check_tp, resolve_model, tp_sizes
 
     if args.json is not None:
         check_output_file(args.json, "--json")
@@ -316,7 +375,8 @@ def _plan_command(args) -> int:
         name = args.preset or "deepseek-v3"
         config, _ = resolve_model(name, None, args.layers)
         stored, multimodal = checkpoint_format({}), name in TEXT_OF_MULTIMODAL
-    check_tp(config, args.tp)
+    tp = args.tp or max(size for size in tp_sizes(config) if size <= PLAN_TP)
+    check_tp(config, tp)
     widest = max(args.tokens, *args.graph_widths)
     context = min(PLAN_CONTEXT, config.max_position_embeddings) if args.context is None else args.context
     if context > config.max_position_embeddings:
@@ -330,7 +390,7 @@ def _plan_command(args) -> int:
 
     from fxfuse.runner.memory_plan import GB, PlanError, PlanInputs, device_memory_bytes, plan_memory
 
-    inputs = PlanInputs(tp=args.tp, weights=args.weights or stored.weights, dtype=getattr(torch, args.dtype), batch=args.batch,
+    inputs = PlanInputs(tp=tp, weights=args.weights or stored.weights, dtype=getattr(torch, args.dtype), batch=args.batch,
                         context=context, step_tokens=args.tokens, graph_widths=tuple(args.graph_widths),
                         fused_workspace=True, fp8_block=stored.fp8_block, int4_group=stored.int4_group,
                         interconnect=args.interconnect)
@@ -338,6 +398,8 @@ def _plan_command(args) -> int:
     available = (int(args.gpu_memory_gb * GB) if args.gpu_memory_gb is not None
                  else device_memory_bytes() if torch.cuda.is_available() else None)
     print(plan.table(available))
+    if available is None:
+        print(NO_VERDICT)
     if multimodal:
         print(f"- {name} is the text model of a multimodal checkpoint: its vision encoder is neither loaded by `fxfuse run` nor counted here")
     if args.json is not None:
@@ -414,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fxfuse: error: {exc}", file=sys.stderr)
         return 2
     except RankFailed as exc:
-        print(f"fxfuse: error: rank {exc.rank} failed: {exc.error}", file=sys.stderr)
+        advice = f"; {args.memory_advice}" if exc.killed_for_memory and args.memory_advice else ""
+        print(f"fxfuse: error: rank {exc.rank} failed: {exc.error}{advice}", file=sys.stderr)
         if args.verbose:
             print(exc.traceback, file=sys.stderr)
         return 1

@@ -2,7 +2,9 @@
 
 `CommandParser` is an `argparse.ArgumentParser` whose usage errors are one line,
 `fxfuse: error: <what is wrong> (see `<command> --help`)`, with exit status 2. `at_least`,
-`positive_float` and `int_list` are argument types whose errors name the bad value. `check_output_file`
+`positive_float` and `int_list` are argument types whose errors name the bad value; `spelled` takes other
+spellings of a name (`--dtype bf16` for bfloat16, `--weights bfloat16` for bf16) and `add_dtype_option`
+declares a `--dtype` that takes both. `check_output_file`
 and `check_output_dir` refuse an output path that cannot be written before any work starts;
 `write_json` turns a failed write into a `ValueError` naming the file.
 """
@@ -86,6 +88,32 @@ def comma_subset(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
         return values
 
     return parse
+
+
+#: Short names of the dtypes `--dtype` takes, and the long name of the `--weights` format bf16. The
+#: canonical names (torch's dtype names, the weight formats) are what summaries and JSON files hold.
+DTYPE_SPELLINGS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+WEIGHT_SPELLINGS = {"bfloat16": "bf16"}
+
+
+def spelled(spellings: dict[str, str]) -> Callable[[str], str]:
+    """An argparse type: `text` in lower case, another spelling replaced by its canonical name from
+    `spellings` (`bf16` -> `bfloat16`); the option's `choices` then check the result."""
+
+    def parse(text: str) -> str:
+        name = text.strip().lower()
+        return spellings.get(name, name)
+
+    return parse
+
+
+def add_dtype_option(p: argparse.ArgumentParser, choices: tuple[str, ...], default: str | None, help_text: str) -> None:
+    """Declare `--dtype` on `p`: one of `choices` (torch's names), each also taken in its short spelling
+    (`DTYPE_SPELLINGS`: bf16, fp16, fp32). `help_text` says what it sets and its default."""
+    short = {name: alias for alias, name in DTYPE_SPELLINGS.items()}
+    names = [f"{name} ({short[name]})" for name in choices]
+    listed = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+    p.add_argument("--dtype", type=spelled(DTYPE_SPELLINGS), choices=choices, default=default, help=f"{listed}: {help_text}")
 
 
 def check_output_file(path: str | os.PathLike, flag: str) -> None:

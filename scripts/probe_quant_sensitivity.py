@@ -3,7 +3,7 @@
 For each weight format (bf16, FP8 with bf16 activations "w8a16", FP8 with FP8 activations "w8a8") one
 model with the same random weights, tp=1, one verify step: the relative L2 distance of its eager
 logits to (a) a second eager run (determinism), (b) an eager run whose first decoder layer's input
-is perturbed by about half a bf16 rounding step per element (`fxfuse.bench.sensitivity`), and (c)
+is perturbed by about half a bf16 rounding step per element (`fxfuse.runner.sensitivity`), and (c)
 the step compiled by Inductor. If (c) is of the size of (b), the compiled gap is what any rounding
 difference does to this model; if it is much larger, compiled code computes something else.
 
@@ -21,7 +21,7 @@ import sys
 import torch
 
 from fxfuse.bench.output import package_versions, relative_l2_error, report_header
-from fxfuse.bench.sensitivity import perturbed_input
+from fxfuse.runner.sensitivity import perturbed_input
 from fxfuse.runner.launch import run_on_ranks
 
 FORMATS = (("bf16", "w8a16"), ("fp8", "w8a16"), ("fp8", "w8a8"))

@@ -1,6 +1,7 @@
 """Stopping `fxfuse run` from outside: Ctrl-C ends it with exit status 130 and SIGTERM with 143, each with
-one `fxfuse: error:` line and no traceback, and no rank process outlives it (the launcher stops them;
-a rank whose launcher was killed outright exits on its own)."""
+one `fxfuse: error:` line and no traceback or warning after it, and no rank process outlives it (the
+launcher stops them; a rank whose launcher was killed outright exits on its own). A rank killed by SIGKILL
+mid-run is named, said to have probably run out of memory, and `fxfuse run` says what to lower."""
 
 from __future__ import annotations
 
@@ -72,21 +73,21 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def start_run_and_wait_for_ranks(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
-    """`python -m fxfuse run` in its own session, with Ctrl-C's default disposition, once rank 0 reports
-    that it builds the model: the process and its rank processes."""
+def start_run_and_wait_for_ranks(tmp_path: Path, until: str = "building tiny") -> tuple[subprocess.Popen, list[int]]:
+    """`python -m fxfuse run` in its own session, with Ctrl-C's default disposition, once rank 0 has printed
+    `until` (by default: that it builds the model): the process and its rank processes."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "fxfuse", "run", "--steps", "64"], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=_default_sigint)
     deadline = time.monotonic() + START_DEADLINE_S
     seen = ""
-    while "building tiny" not in seen and time.monotonic() < deadline and proc.poll() is None:
+    while until not in seen and time.monotonic() < deadline and proc.poll() is None:
         if select.select([proc.stderr], [], [], 1.0)[0]:
             seen += proc.stderr.readline()
-    if "building tiny" not in seen:
+    if until not in seen:
         os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"the run did not start its ranks within {START_DEADLINE_S:.0f} s:\n{seen[-3000:]}")
+        pytest.fail(f"the run did not print {until!r} within {START_DEADLINE_S:.0f} s:\n{seen[-3000:]}")
     ranks = [pid for pid in children(proc.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     assert len(ranks) == 2, ranks
     return proc, ranks
@@ -96,7 +97,9 @@ def start_run_and_wait_for_ranks(tmp_path: Path) -> tuple[subprocess.Popen, list
 @pytest.mark.parametrize("how, status, line", [("sigterm", 143, "fxfuse: error: terminated (SIGTERM)"),
                                                ("ctrl-c", 130, "fxfuse: error: interrupted (Ctrl-C)")])
 def test_stopping_a_run_stops_its_ranks(how, status, line, tmp_path):
-    proc, ranks = start_run_and_wait_for_ranks(tmp_path)
+    """Stopped while it compiles (the prefill's compile has run torch's FX interpreter, which draws progress
+    bars): the promised line is the last one, with no resource-tracker warning of leaked semaphores after it."""
+    proc, ranks = start_run_and_wait_for_ranks(tmp_path, until="fxfuse: compiling the verify step")
     try:
         if how == "sigterm":
             proc.send_signal(signal.SIGTERM)
@@ -108,6 +111,7 @@ def test_stopping_a_run_stops_its_ranks(how, status, line, tmp_path):
             time.sleep(0.1)
         assert not [pid for pid in ranks if running(pid)], "rank processes survived the run"
         assert proc.returncode == status
+        assert "leaked semaphore" not in err and "resource_tracker" not in err, err[-3000:]
         assert err.splitlines()[-1] == line and "Traceback" not in err, err[-3000:]
     finally:
         if proc.poll() is None:
@@ -170,8 +174,30 @@ def test_a_rank_killed_mid_run_is_named_and_the_run_ends(tmp_path):
         assert proc.returncode == 1
         last = err.splitlines()[-1]
         assert last.startswith("fxfuse: error: rank ") and "(SIGKILL) ended without reporting a result" in last, err[-3000:]
+        assert "most likely the kernel's out-of-memory killer" in last and "a smaller --batch, fewer --layers" in last
         assert "Traceback" not in err, err[-3000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_a_rank_killed_for_memory_is_told_what_to_lower(monkeypatch, capsys):
+    """A rank that died by SIGKILL without reporting (what the out-of-memory killer does) is said to have
+    probably run out of memory, and `fxfuse run` names the options that need less; other failures are not."""
+    import fxfuse.runner.run
+    from fxfuse.cli import RUN_MEMORY_ADVICE
+    from fxfuse.runner.errors import RankFailed
+    from fxfuse.runner.launch import OOM_KILLED
+
+    error = f"rank 1 (SIGKILL) ended without reporting a result{OOM_KILLED}"
+    failures = iter([RankFailed(error, 1, error, killed_for_memory=True), RankFailed("boom", 0, "ValueError: boom")])
+
+    def failed(setup):
+        raise next(failures)
+
+    monkeypatch.setattr(fxfuse.runner.run, "run_prepared", failed)
+    assert main(["run"]) == 1
+    assert capsys.readouterr().err == f"fxfuse: error: rank 1 failed: {error}; {RUN_MEMORY_ADVICE}\n"
+    assert main(["run"]) == 1
+    assert capsys.readouterr().err == "fxfuse: error: rank 0 failed: ValueError: boom\n"

@@ -141,12 +141,13 @@ def test_the_cpu_memory_plan_counts_every_rank_and_the_eager_copy(monkeypatch):
     weights and KV cache included; the error says what would fit, before any rank starts."""
     import fxfuse.runner.options as options
     from fxfuse.models.presets import get_preset
-    from fxfuse.runner.memory_plan import PlanInputs, plan_memory
+    from fxfuse.runner.memory_plan import CPU_RANK_RESERVE_BYTES, PlanInputs, plan_memory
 
     o = RunOptions(batch=4096, prompt_len=200, steps=2)
     rank = plan_memory(get_preset("tiny"), PlanInputs(tp=2, weights="bf16", dtype=torch.float32, batch=4096, context=204,
                                                       step_tokens=200, device="cpu", reference_copy=True))
-    assert rank.workspace_bytes == rank.reserve_bytes == rank.graph_output_bytes == 0  # nothing of CUDA's on CPU
+    assert rank.workspace_bytes == rank.graph_output_bytes == 0  # nothing of CUDA's on CPU
+    assert rank.reserve_bytes == CPU_RANK_RESERVE_BYTES  # each rank's process: measured, see memory_plan.py
     assert rank.reference_bytes == rank.weight_bytes + rank.kv_cache_bytes and rank.needed_bytes == 2 * rank.total_bytes
     monkeypatch.setattr(options, "available_host_memory", lambda: rank.needed_bytes)
     prepare_run(o)  # exactly enough
@@ -156,6 +157,19 @@ def test_the_cpu_memory_plan_counts_every_rank_and_the_eager_copy(monkeypatch):
     assert f"needs {rank.needed_bytes / 1e9:.1f} GB of this machine's memory (2 ranks x" in str(error.value)
     assert "would fit: --batch " in str(error.value) and "--compare none" in str(error.value)
 
+
+
+def test_the_cpu_plan_keeps_a_reserve_for_each_ranks_process(monkeypatch):
+    """Each rank's process (Python, torch, gloo, the compiler) holds about 0.5 GB besides its plan (0.9 GB
+    with Inductor): a run whose plans left about 1 GB of the machine passed the check and was then killed for
+    memory. The built-in job's plans are under 0.01 GB, so 1.5 GB available fits one rank but not two."""
+    import fxfuse.runner.options as options
+
+    monkeypatch.setattr(options, "available_host_memory", lambda: int(1.5e9))
+    with pytest.raises(RunError, match=r"of this machine's memory \(2 ranks x 1\.0 GB: .*reserve 1\.0 GB.*would fit: "
+                                       r"--tp 1 \(fewer processes on this machine\)"):
+        prepare_run(RunOptions())
+    prepare_run(RunOptions(tp=1))
 
 def test_a_checkpoint_file_and_bad_config_json_are_named(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")

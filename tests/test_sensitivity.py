@@ -1,4 +1,4 @@
-"""CPU tests of `fxfuse.bench.sensitivity`: the perturbation moves the tiny model's logits by a small,
+"""CPU tests of `fxfuse.runner.sensitivity`: the perturbation moves the tiny model's logits by a small,
 reproducible amount and is gone after its block; the check's bound scales with the sensitivity."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fxfuse.bench.output import relative_l2_error
-from fxfuse.bench.sensitivity import SENSITIVITY_FACTOR, TOLERANCE, check_bound, perturbed_input
+from fxfuse.runner.sensitivity import SENSITIVITY_FACTOR, TOLERANCE, check_bound, perturbed_input
 from fxfuse.models.deepseek_v3 import DeepseekV3ForCausalLM
 from fxfuse.models.parallel import ParallelContext
 from fxfuse.models.presets import get_preset

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fxfuse.command_line import at_least, comma_subset, int_list, positive_float
+from fxfuse.command_line import WEIGHT_SPELLINGS, add_dtype_option, at_least, comma_subset, int_list, positive_float, spelled
 from fxfuse.runner.options import BACKENDS, DYNAMIC_CHOICES
 
 MODEL_DESCRIPTION = ("DeepSeek-V3 verify-step latency, eager vs Inductor vs fxfuse, under CUDA graphs (or uncaptured "
@@ -72,15 +72,15 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=at_least(1), default=None,
                    help=f"decoder layers (default {DEFAULT_LAYERS}: 3 dense + 1 MoE for deepseek-v3; all of a preset with fewer)")
     p.add_argument("--tp", type=at_least(1), default=None,
-                   help="tensor-parallel size (default: all visible GPUs on cuda, 1 on cpu)")
+                   help="tensor-parallel size (default: all visible GPUs on cuda, 1 on cpu; under torchrun its "
+                        "WORLD_SIZE, which a given --tp must match)")
     p.add_argument("--tokens", default=_joined(DEFAULT_TOKENS),
                    help=f"comma-separated step widths, at most 128 (default {_joined(DEFAULT_TOKENS)})")
     p.add_argument("--batch", default=_joined(DEFAULT_BATCHES),
                    help=f"comma-separated batch sizes (default {_joined(DEFAULT_BATCHES)})")
     p.add_argument("--backends", default=_joined(BACKENDS),
                    help=f"comma-separated subset of {', '.join(BACKENDS)} (default: all)")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
-                   help="weights and activations (default bfloat16)")
+    add_dtype_option(p, ("bfloat16", "float16", "float32"), "bfloat16", "weights and activations (default bfloat16)")
     p.add_argument("--context", type=at_least(1), default=None,
                    help=f"KV-cache length (positions) every step attends over (default {DEFAULT_CONTEXT}, "
                         "or the preset's max_position_embeddings if smaller)")
@@ -101,9 +101,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="compile the steps for dynamic shapes (on), one graph per batch x width (off), or both, each "
                         "backend measured both ways in one run; auto: static shapes when every width is captured in a "
                         "CUDA graph, dynamic otherwise (default auto)")
-    p.add_argument("--weights", choices=("bf16", "fp8", "int4"), default="bf16",
-                   help="random weights kept in bf16, as FP8 blocks or as INT4 routed experts; FXFUSE_FP8_GEMM picks "
-                        "the FP8 GEMM (default bf16)")
+    p.add_argument("--weights", type=spelled(WEIGHT_SPELLINGS), choices=("bf16", "fp8", "int4"), default="bf16",
+                   help="random weights kept in bf16 (also spelled bfloat16), as FP8 blocks or as INT4 routed experts; "
+                        "FXFUSE_FP8_GEMM picks the FP8 GEMM (default bf16)")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR,
                    help=OUT_DIR_HELP)
 
@@ -116,8 +116,7 @@ def add_kernel_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated token counts (default {_joined(DEFAULT_KERNEL_TOKENS)})")
     p.add_argument("--hidden", default=_joined(DEFAULT_HIDDEN),
                    help=f"comma-separated hidden sizes (default {_joined(DEFAULT_HIDDEN)})")
-    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16",
-                   help="activations and weight (default bfloat16)")
+    add_dtype_option(p, ("bfloat16", "float16"), "bfloat16", "activations and weight (default bfloat16)")
     p.add_argument("--variants", default=_joined(KERNEL_VARIANTS),
                    help=f"comma-separated subset of {', '.join(KERNEL_VARIANTS)} (default: all)")
     p.add_argument("--repeats", type=at_least(1), default=None,

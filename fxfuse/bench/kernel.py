@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.metadata
-import os
 import statistics
 import sys
 import zlib
@@ -39,7 +38,8 @@ from fxfuse.bench.kernel_report import FUSED_MODES, VARIANTS, derive_thresholds,
 from fxfuse.bench.output import package_versions, publish, relative_l2_error, report_header
 from fxfuse.command_line import CommandParser, check_output_dir, check_output_file, parsed_or_status
 from fxfuse.op.modes import FusionMode
-from fxfuse.runner.launch import run_on_ranks, under_torchrun
+from fxfuse.runner.launch import run_on_ranks
+from fxfuse.runner.torchrun import launched_world_size
 
 EPS = 1e-6
 TOLERANCE = 2e-2  # relative L2 error vs fp32; bf16 rounding alone gives about 3e-3
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         print("fxfuse: error: fxfuse bench kernel needs CUDA GPUs (this machine has none)", file=sys.stderr)
         return 2
     gpus = torch.cuda.device_count()
-    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (args.world_size or max(gpus, 2))
+    world_size = launched_world_size() or args.world_size or max(gpus, 2)
     share_gpus = world_size > gpus
     config = BenchConfig(
         tokens=tuple(int(t) for t in args.tokens.split(",")),

@@ -7,7 +7,7 @@ cache and replayed (`--no-cuda-graphs`: called uncaptured, so each step's host c
 in prefill and at widths without a graph); the backends are timed side by side, in interleaved
 rounds, and each timing is the median over `--repeats` samples of `--iters` calls (slowest rank).
 Every backend's logits are checked against eager on the same inputs and cache (relative L2 error),
-within a bound scaled by the model's own sensitivity to rounding (`fxfuse.bench.sensitivity`: an
+within a bound scaled by the model's own sensitivity to rounding (`fxfuse.runner.sensitivity`: an
 eager step with its first layer's input perturbed by half a bf16 rounding step). `--dynamic` says how
 the compiled backends are compiled: static shapes (`dynamic=False`, one graph per batch x width, what
 engines that capture one graph per width compile; the default under CUDA graphs), dynamic shapes (the
@@ -41,12 +41,13 @@ import torch.distributed as dist
 from fxfuse.bench.arguments import DEFAULT_CONTEXT, DEFAULT_LAYERS, DEFAULT_PRESET, MODEL_DESCRIPTION, add_model_arguments
 from fxfuse.bench.model_report import markdown, write_report
 from fxfuse.bench.output import mode_name, package_versions, publish, relative_l2_error, report_header
-from fxfuse.bench.sensitivity import SENSITIVITY_FACTOR, TOLERANCE, check_bound, perturbed_input
 from fxfuse.command_line import CommandParser, check_output_dir, parsed_or_status
-from fxfuse.runner.launch import run_on_ranks, under_torchrun
+from fxfuse.runner.launch import run_on_ranks
 from fxfuse.runner.options import BACKENDS, check_host_memory, resolve_dynamic
 from fxfuse.runner.progress import Progress
+from fxfuse.runner.sensitivity import SENSITIVITY_FACTOR, TOLERANCE, check_bound, perturbed_input
 from fxfuse.runner.step_backends import CompiledStep, compile_step
+from fxfuse.runner.torchrun import check_tp_matches_launch, launched_world_size
 
 @dataclass(frozen=True)
 class ModelBenchConfig:
@@ -157,14 +158,19 @@ def _int_list(flag: str, text: str) -> tuple[int, ...]:
 
 
 def _tensor_parallel_size(args: argparse.Namespace) -> int:
+    """--tp, or its default: under torchrun the launch's world size (a different --tp is refused), else all
+    visible GPUs on cuda and 1 on cpu."""
+    launched = launched_world_size()
+    if launched is not None and args.tp is not None:
+        check_tp_matches_launch(args.tp)
     if args.device == "cpu":
-        return args.tp or 1
+        return launched or args.tp or 1
     if not torch.cuda.is_available():
         raise BenchInputError("fxfuse bench model needs CUDA GPUs (use --device cpu for a smoke run of the code)")
     gpus = torch.cuda.device_count()
+    if launched is not None:
+        return launched
     tp = args.tp or gpus
-    if under_torchrun():
-        return tp
     if tp > gpus:
         raise BenchInputError(f"--tp {tp} needs {tp} GPUs (one process per GPU), but only {gpus} are present")
     return tp
@@ -327,7 +333,7 @@ def _prepare_runner(model, step, batch, config, inputs, device, outputs, variant
 
 def _eager_sensitivity(ctx, model, compiled, runners, inputs, outputs, widths) -> dict[int, float]:
     """Per width: the relative L2 distance of an eager step with its first layer's input perturbed
-    (`fxfuse.bench.sensitivity.perturbed_input`) from the eager step's logits, on the same zeroed KV
+    (`fxfuse.runner.sensitivity.perturbed_input`) from the eager step's logits, on the same zeroed KV
     cache (the plain, uncaptured module: hooks do not run in a replayed graph); empty without eager."""
     if EAGER not in runners:
         return {}

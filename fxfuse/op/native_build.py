@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from fxfuse.op.environment import env_setting
+
 SOURCE = Path(__file__).with_name("native_fallback.cpp")
 BUILD_TIMEOUT_S = 600
 log = logging.getLogger(__name__)
@@ -37,13 +39,13 @@ log = logging.getLogger(__name__)
 
 def native_enabled() -> bool:
     """False when `FXFUSE_NATIVE=0` asks for the Python kernel only."""
-    return os.environ.get("FXFUSE_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return (env_setting("FXFUSE_NATIVE") or "1").lower() not in ("0", "false", "no", "off")
 
 
 def cache_dir() -> Path:
     """Where built libraries are kept: $FXFUSE_NATIVE_CACHE, else ~/.cache/fxfuse/native, else (no home
     directory) fxfuse-native-<uid> in the temporary directory."""
-    explicit = os.environ.get("FXFUSE_NATIVE_CACHE")
+    explicit = env_setting("FXFUSE_NATIVE_CACHE")
     if explicit:
         return Path(explicit)
     home = os.path.expanduser("~")

@@ -3,7 +3,7 @@
 Every rank of a group must use the same settings: `fxfuse.op.group_config` exchanges them once per
 group, outside CUDA-graph capture, and raises the same error on every rank when they differ.
 
-Environment variables:
+Environment variables (an empty value counts as unset):
 - `FXFUSE_FUSION`: `auto` (default: the decision table picks), `oneshot` / `twoshot` (force that
   algorithm of FlashInfer's TensorRT-LLM kernel wherever it can run at all, whatever the topology:
   the explicit opt-in for PCIe or NVLink-bridge groups), `pcie` (force FlashInfer's PCIe all-reduce
@@ -23,6 +23,7 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
+from fxfuse.op.environment import env_setting
 from fxfuse.op.modes import FusionMode
 from fxfuse.op.topology import Topology
 
@@ -57,6 +58,13 @@ class FusionSettings:
     pcie_profile: str | None = None
     pcie_tune_cache: str | None = None
 
+    @property
+    def fusion(self) -> str:
+        """The `FXFUSE_FUSION` value these settings stand for: auto, oneshot, twoshot, pcie or off."""
+        if not self.enabled:
+            return "off"
+        return "auto" if self.force_mode is None else self.force_mode.value
+
     def __post_init__(self) -> None:
         if self.force_mode is FusionMode.FALLBACK:
             raise ValueError("force_mode must be oneshot, twoshot or pcie; use enabled=False to always fall back")
@@ -80,24 +88,26 @@ def what_fused_sites_run(settings: FusionSettings) -> str:
 
 
 def settings_from_env(environ: Mapping[str, str]) -> FusionSettings:
-    """Settings from the FXFUSE_* variables (see the module docstring).
+    """Settings from the FXFUSE_* variables (see the module docstring); an empty one counts as unset
+    (`fxfuse.op.environment.env_setting`).
 
     Raises ValueError naming the variable when a value is not understood.
     """
-    fusion = environ.get(ENV_FUSION, "auto").strip().lower()
+    fusion = (env_setting(ENV_FUSION, environ) or "auto").lower()
     if fusion not in FUSION_CHOICES:
         raise ValueError(f"{ENV_FUSION}={fusion!r}: expected one of {', '.join(FUSION_CHOICES)}")
-    raw_tokens = environ.get(ENV_MAX_TOKENS, str(DEFAULT_MAX_TOKENS))
+    raw_tokens = env_setting(ENV_MAX_TOKENS, environ) or str(DEFAULT_MAX_TOKENS)
     try:
         max_tokens = int(raw_tokens)
     except ValueError:
         max_tokens = 0
     if max_tokens < 1:
         raise ValueError(f"{ENV_MAX_TOKENS}={raw_tokens!r}: expected a positive integer")
-    topology = environ.get(ENV_TOPOLOGY, "auto").strip().lower()
+    topology = (env_setting(ENV_TOPOLOGY, environ) or "auto").lower()
     if topology != "auto" and topology not in {t.value for t in Topology}:
         raise ValueError(f"{ENV_TOPOLOGY}={topology!r}: expected auto, {', '.join(t.value for t in Topology)}")
-    profile = environ.get(ENV_PCIE_PROFILE, "").strip().lower() or None
+    profile = env_setting(ENV_PCIE_PROFILE, environ)
+    profile = profile and profile.lower()
     if profile is not None and profile not in PCIE_PROFILES:
         raise ValueError(f"{ENV_PCIE_PROFILE}={profile!r}: expected one of {', '.join(PCIE_PROFILES)}")
     return FusionSettings(
@@ -106,7 +116,7 @@ def settings_from_env(environ: Mapping[str, str]) -> FusionSettings:
         max_tokens=max_tokens,
         topology=None if topology == "auto" else Topology(topology),
         pcie_profile=profile,
-        pcie_tune_cache=environ.get(ENV_PCIE_TUNE_CACHE) or None,
+        pcie_tune_cache=env_setting(ENV_PCIE_TUNE_CACHE, environ),
     )
 
 

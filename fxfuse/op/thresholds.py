@@ -26,6 +26,7 @@ from typing import Any, Mapping
 
 import torch
 
+from fxfuse.op.environment import env_setting
 from fxfuse.op.modes import FusionMode
 
 ENV_THRESHOLDS = "FXFUSE_THRESHOLDS"
@@ -181,7 +182,7 @@ def write_table(table: ThresholdTable, path: str | os.PathLike, description: str
 def load_thresholds(path: str | os.PathLike | None = None, environ: Mapping[str, str] = os.environ) -> ThresholdTable:
     """The default table merged with the override file (`path`, else $FXFUSE_THRESHOLDS, if set)."""
     table = read_table(DEFAULT_PATH)
-    override = path if path is not None else environ.get(ENV_THRESHOLDS) or None
+    override = path if path is not None else env_setting(ENV_THRESHOLDS, environ)
     if override is not None:
         table = table.merged(read_table(override))
     return table

@@ -17,14 +17,18 @@ class RankFailed(RuntimeError):
     """Raised in the launching process when a rank failed.
 
     `rank` is the failing rank (None if unknown), `error` the one-line `Type: message` of the
-    exception it raised and `traceback` its full traceback text.
+    exception it raised and `traceback` its full traceback text. `killed_for_memory` says that a rank
+    ended by SIGKILL without reporting, as the kernel's out-of-memory killer ends processes; the
+    command then says what of its options would need less memory.
     """
 
-    def __init__(self, message: str, rank: int | None = None, error: str = "", traceback_text: str = ""):
+    def __init__(self, message: str, rank: int | None = None, error: str = "", traceback_text: str = "",
+                 killed_for_memory: bool = False):
         super().__init__(message)
         self.rank = rank
         self.error = error or message
         self.traceback = traceback_text
+        self.killed_for_memory = killed_for_memory
 
 
 class Terminated(BaseException):

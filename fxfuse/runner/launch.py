@@ -4,13 +4,16 @@
 each (gloo on CPU, NCCL on CUDA), calls `fn(ctx, *args)` with that rank's `ParallelContext`, and
 returns every rank's result in rank order. A rank that raises makes the whole call raise with that
 rank's traceback, and the other ranks are stopped, so a failure never turns into a hang; so does a
-rank that has not finished `timeout_s` seconds after the start (the error names the ranks that hung).
+rank that has not finished `timeout_s` seconds after the start (the error names the ranks that hung),
+and a rank that dies without reporting (named with its exit status or signal; one killed by SIGKILL is
+said to have probably run out of memory: that is the out-of-memory killer's signal).
 The ranks never outlive the launcher: they ignore Ctrl-C (SIGINT goes to the whole terminal's process
 group; the launcher alone handles it), any exception in the launcher (KeyboardInterrupt, or whatever
 its SIGTERM handler raises) stops them before it propagates (SIGTERM, then SIGKILL after a grace
 period), and a rank whose launcher dies without cleaning up (SIGKILL) exits on its own. A rank that
 ends abnormally after reporting its result (a C++ destructor's std::terminate at exit) is named on
-stderr; the results stand.
+stderr; the results stand. A rank holds no named semaphore a stop would leak (its progress bars get a
+thread lock), so a stopped run leaves nothing for the resource tracker to warn about.
 Under torchrun (RANK/WORLD_SIZE set) it joins the existing launch instead of spawning.
 """
 
@@ -36,6 +39,7 @@ import torch.multiprocessing as mp
 
 from fxfuse.models.parallel import ParallelContext
 from fxfuse.runner.errors import RankFailed
+from fxfuse.runner.torchrun import under_torchrun
 
 #: NVLink multicast stays off in every process we start (see DESIGN.md / DEVICE.md).
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -45,11 +49,10 @@ EXIT_GRACE_S = 5.0
 TERMINATE_GRACE_S = 2.0
 #: Exit status of a rank that found its launcher gone.
 LAUNCHER_GONE_STATUS = 3
-
-
-def under_torchrun() -> bool:
-    """True when this process was started by torchrun (or any launcher that sets RANK/WORLD_SIZE)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+#: Said of a rank that died by SIGKILL without reporting: the launcher sends SIGKILL only when it stops the
+#: ranks itself (never while it waits for their results), and SIGKILL is what the out-of-memory killer sends.
+OOM_KILLED = (": SIGKILL from outside fxfuse, most likely the kernel's out-of-memory killer (`dmesg` names what it "
+              "killed), so it probably ran out of memory")
 
 
 def free_port() -> int:
@@ -78,6 +81,7 @@ def _rank_main(rank, world_size, device, port, timeout_s, fn, args, queue):
     # A rank still running shortly before the launcher gives up prints where it is stuck (to stderr).
     faulthandler.dump_traceback_later(max(1.0, timeout_s - 5), exit=False)
     threading.Thread(target=_exit_when_launcher_dies, name="fxfuse-launcher-watch", daemon=True).start()
+    _progress_bars_without_a_semaphore()
     try:
         torch.manual_seed(0)
         if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: ranks must not oversubscribe the cores
@@ -138,8 +142,9 @@ def run_on_ranks(
             if report is None:
                 dead = {r: p.exitcode for r, p in enumerate(procs) if not p.is_alive() and r not in results}
                 named = ", ".join(f"rank {r} ({_exit_status(code)})" for r, code in sorted(dead.items()))
-                raise RankFailed(f"{named} ended without reporting a result; the other ranks were stopped",
-                                 min(dead), f"{named} ended without reporting a result")
+                killed = -signal.SIGKILL in dead.values()
+                error = f"{named} ended without reporting a result" + (OOM_KILLED if killed else "")
+                raise RankFailed(f"{error}; the other ranks were stopped", min(dead), error, killed_for_memory=killed)
             rank, ok, payload = report
             if not ok:
                 error, traceback_text = payload
@@ -199,6 +204,19 @@ def _sigint_ignored():
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def _progress_bars_without_a_semaphore() -> None:
+    """In a rank: give tqdm (torch's FX interpreter draws its progress bars with it) a thread lock instead of
+    the multiprocessing lock it makes by default. That lock is a named semaphore registered with the
+    launcher's resource tracker; a rank the launcher stops (SIGTERM, then SIGKILL) never unregisters it,
+    so after Ctrl-C or SIGTERM the tracker warned of leaked semaphores once the launcher had exited. A
+    spawned rank shares the lock with no other process, so a thread lock guards the same."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # no tqdm: torch draws no bars, and makes no lock
+        return
+    tqdm.set_lock(threading.RLock())
 
 
 def _exit_when_launcher_dies() -> None:

@@ -20,11 +20,12 @@
 - CUDA-graph outputs: every captured width keeps its float32 logits (batch x width x vocab x 4) in
   the graphs' shared pool;
 - the `--compare eager` reference, when the run holds one: a second copy of the weights and KV cache;
-- on CUDA, a fixed reserve for the CUDA context, cuBLAS/NCCL workspaces and the compiler (RESERVE_BYTES).
-On CPU (`device="cpu"`) there is no workspace, no CUDA graph and no reserve, and every rank shares the
-machine's memory: what must fit is tp x the per-rank total. `MemoryPlan.check(available)` raises
+- a reserve: on CUDA a fixed one for the CUDA context, cuBLAS/NCCL workspaces and the compiler
+  (RESERVE_BYTES); on CPU the rank's process itself (CPU_RANK_RESERVE_BYTES, measured).
+On CPU (`device="cpu"`) there is no workspace and no CUDA graph, and every rank shares the machine's
+memory: what must fit is tp x the per-rank total. `MemoryPlan.check(available)` raises
 `PlanError` when that exceeds `available` bytes, naming the largest parts and what would fit instead (a
-smaller batch or context, more ranks, another format, no eager reference). Every size is printed in GB
+smaller batch or context, more ranks (fewer on CPU), another format, no eager reference). Every size is printed in GB
 (1e9 bytes).
 """
 
@@ -41,6 +42,14 @@ GIB = 2**30
 GB = 10**9
 #: CUDA context, cuBLAS and NCCL workspaces, Inductor/Triton compile state: not counted elsewhere.
 RESERVE_BYTES = 2 * GIB
+#: On CPU, what each rank's process holds besides its plan: the interpreter, torch, gloo, dynamo's and
+#: the compiler's state (and, with Inductor, its share of the compile workers and the C++ compiler).
+#: Measured (resident memory sampled every 0.2 s, torch 2.13, 2 cores): a rank of the built-in job (a plan
+#: under 0.01 GB) peaked at 0.50 GB with the eager inner compiler and at 0.87 GB per rank with Inductor
+#: (ranks, compile workers and compiler together, over 2 ranks); DeepSeek-V3 with `--layers 1` in bf16 at
+#: tp 2 peaked at 3.01 GB per rank for a planned 2.48 GB, the same 0.5 GB on top. Rounded up to 1 GB.
+#: Without it, a run passed the check with about 1 GB to spare and was then killed for memory.
+CPU_RANK_RESERVE_BYTES = GB
 #: Tensor-parallel sizes tried when saying what would fit.
 TP_CHOICES = (1, 2, 4, 8, 16)
 
@@ -127,7 +136,9 @@ class MemoryPlan:
         """What the plan assumed, one sentence each: the fused op's workspace and the reserve."""
         i = self.inputs
         if i.device == "cpu":
-            return ["CPU: the fused op needs no workspace, and there is no CUDA graph and no reserve; all ranks share this machine"]
+            return ["CPU: the fused op needs no workspace and there is no CUDA graph; all ranks share this machine",
+                    f"reserve: {self.reserve_bytes / GB:.2f} GB per rank for its process (Python, torch, gloo, the "
+                    "compiler), as measured on a rank of the built-in job"]
         if not self.workspace_bytes:
             workspace = "fused-op workspace: none (tp=1, or not backend fxfuse)"
         elif i.interconnect == "pcie":
@@ -171,7 +182,8 @@ def _plan_with_weights(config: ModelConfig, inputs: PlanInputs, model: str, weig
     return MemoryPlan(model, inputs, weights, kv_cache, workspace,
                       activation_bytes(config, inputs.tp, inputs.batch, inputs.step_tokens, inputs.context, d), outputs,
                       reference_bytes=weights + kv_cache if inputs.reference_copy else 0,
-                      reserve_bytes=RESERVE_BYTES if cuda else 0, workspace_tokens=tokens, hidden_size=config.hidden_size)
+                      reserve_bytes=RESERVE_BYTES if cuda else CPU_RANK_RESERVE_BYTES, workspace_tokens=tokens,
+                      hidden_size=config.hidden_size)
 
 
 def _workspace(config: ModelConfig, inputs: PlanInputs) -> tuple[int, int]:
@@ -243,7 +255,8 @@ _NO_GROUP = object()
 
 
 def alternatives(config: ModelConfig, inputs: PlanInputs, available: int, model: str) -> list[str]:
-    """Nearby settings that fit in `available` bytes: a smaller batch or context, more ranks, other formats."""
+    """Nearby settings that fit in `available` bytes: a smaller batch or context, more ranks (on CPU, where
+    every rank shares the machine: fewer), other formats, no eager reference."""
     weights_at = {}
 
     def weights_for(tp: int, fmt: str) -> int | None:
@@ -267,9 +280,14 @@ def alternatives(config: ModelConfig, inputs: PlanInputs, available: int, model:
     context = _largest(lambda c: fits(context=c), inputs.context - 1, floor=max(inputs.step_tokens, *inputs.graph_widths, 1))
     if context:
         found.append(f"a context of {context} positions (at this batch)")
-    more_ranks = [tp for tp in TP_CHOICES if tp > inputs.tp and fits(tp=tp)]
-    if more_ranks:
-        found.append(f"--tp {more_ranks[0]}")
+    if inputs.device == "cpu":  # every rank on this machine, each with its process's reserve: fewer ranks need less
+        fewer_ranks = [tp for tp in TP_CHOICES if tp < inputs.tp and fits(tp=tp)]
+        if fewer_ranks:
+            found.append(f"--tp {fewer_ranks[-1]} (fewer processes on this machine)")
+    else:
+        more_ranks = [tp for tp in TP_CHOICES if tp > inputs.tp and fits(tp=tp)]
+        if more_ranks:
+            found.append(f"--tp {more_ranks[0]}")
     formats = [fmt for fmt in WEIGHT_FORMATS if fmt != inputs.weights and fits(weights=fmt)]
     if formats:
         found.append("--weights " + " or ".join(formats))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Mapping
 
+from fxfuse.op.environment import env_setting
 from fxfuse.runner.errors import RunError
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ def checked_op_settings(environ: Mapping[str, str] = os.environ) -> FusionSettin
         settings = settings_from_env(environ)
     except ValueError as exc:
         raise RunError(f"bad setting {exc}") from None
-    if environ.get(THRESHOLDS_ENV):
+    if env_setting(THRESHOLDS_ENV, environ):
         from fxfuse.op.thresholds import load_thresholds
 
         try:

@@ -3,15 +3,16 @@
 `RunOptions` is everything `fxfuse run` takes; its defaults are the built-in job: the tiny preset
 compiled with the fxfuse backend at tp=2 on CPU and checked against the eager model. `prepare_run(options)`
 checks it in the launching process, before any rank starts, and returns a `RunSetup` (the options with
-the CUDA-graph and inner-compiler choices resolved, the model config, where the weights come from; its
+the CUDA-graph, dtype and inner-compiler choices resolved, the model config, where the weights come from; its
 `dynamic_shapes` resolves `--dynamic`) or raises `RunError` with a message that names the problem: unknown
 preset, unreadable or malformed checkpoint (its config.json, or its safetensors headers), tp size that
-does not divide the model (naming the sizes that do), CUDA asked where there is none, more GPUs asked
-than present, bad backend, inner compiler, dtype or dynamic-shapes choice, CUDA graphs or graph widths
-without CUDA, a step width above 128, a KV cache longer than the model allows, a bad FXFUSE_* setting of
-the fused op, or a memory plan that does not fit the GPU (CUDA) or this machine's memory (CPU: every
-rank shares it). The cheap checks come first and need no torch; the settings' thresholds file, the
-checkpoint headers and the memory plan import it. `fxfuse.runner.setup` then builds the model on each rank.
+does not divide the model (naming the sizes that do), a tp other than torchrun's world size (under
+torchrun), CUDA asked where there is none, more GPUs asked than present, bad backend, inner compiler,
+dtype or dynamic-shapes choice, CUDA graphs or graph widths without CUDA, a step width above 128, a KV
+cache longer than the model allows, a bad FXFUSE_* setting of the fused op, or a memory plan that does
+not fit the GPU (CUDA) or this machine's memory (CPU: every rank shares it). The cheap checks come first
+and need no torch; the settings' thresholds file, the checkpoint headers and the memory plan import it.
+`fxfuse.runner.setup` then builds the model on each rank.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fxfuse.models.config import ModelConfig
 from fxfuse.models.quant.scheme import QuantScheme
 from fxfuse.models.presets import get_preset
 from fxfuse.runner.errors import RunError
+from fxfuse.runner.torchrun import check_tp_matches_launch
 
 #: How a step can be compiled (`fxfuse.runner.step_backends.compile_step`).
 BACKENDS = ("eager", "inductor", "fxfuse")
@@ -35,6 +37,10 @@ DEFAULT_INNER = {"cpu": "eager", "cuda": "inductor"}
 COMPARE_TARGETS = ("none", "eager", "hf")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEVICES = ("cpu", "cuda")
+#: Why GPU runs use bfloat16 (`fxfuse run --device cuda`, and `fxfuse plan` and `report`, which plan or trace them).
+BF16_WHY = "the fused all-reduce kernels take 16-bit activations only"
+#: The `--dtype` of `fxfuse run` per device, and why.
+DEFAULT_DTYPE = {"cpu": ("float32", "the check against eager then sees float32 rounding only"), "cuda": ("bfloat16", BF16_WHY)}
 #: Default widths (tokens per sequence per step) that get their own CUDA graph.
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128)
 #: Widest step (tokens per sequence) the runner takes, with or without a CUDA graph.
@@ -49,7 +55,8 @@ FULL_RANDOM_STATE_LIMIT = 500_000_000
 class RunOptions:
     """Everything `fxfuse run` takes; defaults are the README's built-in job.
 
-    `inner` None means the device's default (`DEFAULT_INNER`; backend fxfuse only). `cuda_graph` None
+    `inner` None means the device's default (`DEFAULT_INNER`; backend fxfuse only), `dtype` None the
+    device's (`DEFAULT_DTYPE`: float32 on cpu, bfloat16 on cuda). `cuda_graph` None
     means: on for device cuda, off for cpu. `graph_widths` are the step widths (tokens per sequence)
     that get a captured graph (None: `DEFAULT_WIDTHS`); other widths run uncaptured.
     """
@@ -61,7 +68,7 @@ class RunOptions:
     device: str = "cpu"
     backend: str = "fxfuse"
     inner: str | None = None
-    dtype: str = "float32"
+    dtype: str | None = None
     batch: int = 2
     prompt_len: int = 12
     tokens_per_step: int = 1
@@ -143,8 +150,9 @@ def prepare_run(options: RunOptions) -> RunSetup:
     _check_choice("backend", options.backend, BACKENDS)
     _check_choice("dynamic-shapes choice", options.dynamic, DYNAMIC_CHOICES)
     _check_choice("compare", options.compare, COMPARE_TARGETS)
-    _check_choice("dtype", options.dtype, DTYPE_BYTES)
     _check_choice("device", options.device, DEVICES)
+    options = replace(options, dtype=options.dtype or DEFAULT_DTYPE[options.device][0])
+    _check_choice("dtype", options.dtype, DTYPE_BYTES)
     if options.inner is not None:
         _check_choice("inner compiler", options.inner, INNER_COMPILERS)
         if options.backend != "fxfuse":
@@ -155,6 +163,7 @@ def prepare_run(options: RunOptions) -> RunSetup:
             raise RunError(f"{flag} must be at least 1 (got {getattr(options, name)})")
     if options.tokens_per_step > MAX_STEP_WIDTH:
         raise RunError(f"--tokens must be at most {MAX_STEP_WIDTH} (got {options.tokens_per_step})")
+    check_tp_matches_launch(options.tp)  # under torchrun: the processes it started are the ranks
     _check_device(options.device, options.tp)
     options = _resolve_graphs(options)
     dynamic = resolve_dynamic(options.dynamic, auto_dynamic(options))

@@ -19,6 +19,7 @@ import torch
 
 from fxfuse.models.config import ModelConfig
 from fxfuse.models.quant.scheme import FP8_GEMMS, WEIGHT_FORMATS, QuantScheme, checkpoint_format
+from fxfuse.op.environment import env_setting
 from fxfuse.runner.memory_plan import PlanInputs, device_memory_bytes, plan_memory
 
 #: Environment variable choosing the FP8 GEMM (see models/quant/scheme.py).
@@ -45,7 +46,7 @@ def weight_scheme(options, config: ModelConfig) -> QuantScheme:
 
 def bench_scheme(weights: str) -> QuantScheme:
     """The QuantScheme of random `weights` for `fxfuse bench model` (default block / group, FXFUSE_FP8_GEMM)."""
-    gemm = os.environ.get(FP8_GEMM_ENV, "w8a16")
+    gemm = env_setting(FP8_GEMM_ENV) or "w8a16"
     if gemm not in FP8_GEMMS:
         raise ValueError(f"{FP8_GEMM_ENV}={gemm!r}; choose one of: {', '.join(FP8_GEMMS)}")
     return QuantScheme(weights, fp8_gemm=gemm)

@@ -7,7 +7,9 @@ deterministic random weights), compiles the step with the chosen backend, on CUD
 graph per step-width bucket (after `fxfuse.prepare` for backend fxfuse), prefills a random prompt and
 runs greedy speculative verify steps of `tokens_per_step` tokens. It returns rank 0's summary (the
 `--json` document), which for backend fxfuse says how many all-reduce sites were fused and what the
-fused op ran (its `fused_op` field). Rank 0 reports progress of the long phases on stderr.
+fused op ran (its `fused_op` field), and, with `--compare`, whether the logits stayed within the
+bound the model benchmark uses (`fxfuse.runner.sensitivity.check_bound` of the eager model's own
+sensitivity). Rank 0 reports progress of the long phases on stderr.
 """
 
 from __future__ import annotations
@@ -19,15 +21,17 @@ from dataclasses import asdict
 import torch
 
 from fxfuse.models.parallel import ParallelContext
+from fxfuse.op.settings import current_settings
 from fxfuse.runner.cuda_graph_step import CudaGraphStep
 from fxfuse.runner.launch import run_on_ranks
 from fxfuse.runner.options import RunOptions, RunSetup, prepare_run
 from fxfuse.runner.progress import Progress, watch_layers
+from fxfuse.runner.sensitivity import check_bound
 from fxfuse.runner.setup import DTYPES, build_model, build_reference
 from fxfuse.runner.speculative import accepted_length, next_drafts
 from fxfuse.runner.step_backends import compile_step
 
-__all__ = ["RunOptions", "run", "run_prepared", "run_rank"]
+__all__ = ["RunOptions", "compare_verdict", "run", "run_prepared", "run_rank"]
 
 #: Seconds between "still running" lines of a long phase (loading, compiling, capturing).
 HEARTBEAT_S = 15.0
@@ -74,11 +78,11 @@ def run_rank(ctx: ParallelContext, setup: RunSetup) -> dict:
         with progress.phase(f"building the --compare {options.compare} reference", heartbeat_s=HEARTBEAT_S):
             reference = build_reference(setup, ctx, device)
 
-    errors: list[float | None] = []
+    checks: list[tuple[float | None, float | None]] = []  # per step: (error, the reference's sensitivity)
     with progress.phase(f"prefill of {options.batch} x {options.prompt_len} tokens", heartbeat_s=HEARTBEAT_S):
         logits = _forward(step, prompt, positions, device)
     if reference is not None:
-        errors.append(reference.relative_error(prompt, positions, logits))
+        checks.append(reference.check(prompt, positions, logits))
 
     last = logits[:, -1].argmax(-1)
     position = torch.full((options.batch,), options.prompt_len, dtype=torch.long)
@@ -96,7 +100,7 @@ def run_rank(ctx: ParallelContext, setup: RunSetup) -> dict:
         logits, seconds = _timed_forward(step, input_ids, step_positions, device)
         step_seconds.append(seconds)
         if reference is not None:
-            errors.append(reference.relative_error(input_ids, step_positions, logits))
+            checks.append(reference.check(input_ids, step_positions, logits))
         predicted = logits.argmax(-1)
         accepted = accepted_length(drafts, predicted)
         accepted_per_step.append([int(k) for k in accepted])
@@ -128,13 +132,14 @@ def run_rank(ctx: ParallelContext, setup: RunSetup) -> dict:
         "graph_widths": list(setup.graph_widths),
         "step_replayed": setup.cuda_graph and width in setup.graph_widths,
         "compare": options.compare,
-        "max_rel_err": max((e for e in errors if e is not None), default=None),
+        **compare_verdict(checks),
         "step_ms": step_ms,
         "step_ms_p90": 1000 * _percentile(step_seconds, 0.9),
         "tokens_per_s": options.batch * width * 1000 / step_ms,
         "peak_gpu_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
         **fusion,
         "fused_op": fused_op_ran(device.type, fusion["fused_sites"]),
+        "fxfuse_fusion": current_settings().fusion if options.backend == "fxfuse" else None,
         "fused_kernel_ready": fused_kernel_ready,
         "tokens": generated[0],
         "accepted_drafts": accepted_per_step,
@@ -215,6 +220,21 @@ def describe_fusion_stats(stats: dict) -> str:
         return "no call yet"
     listed = "; ".join(f"{name}: {count} call{'s' if count != 1 else ''}" for name, count in calls.items())
     return f"{listed} (calls issued from Python; CUDA-graph replays are not counted)"
+
+
+def compare_verdict(checks: list[tuple[float | None, float | None]]) -> dict:
+    """The summary's check fields from each step's (error, sensitivity) (`build_reference(...).check`):
+    `max_rel_err` (the largest error), `eager_sensitivity` (the largest sensitivity over the steps, the
+    model's over the run, as the largest error is the run's; None without one), `max_rel_err_bound`
+    (`check_bound` of it: the model benchmark's rule) and `compare_ok` (the largest error within that
+    bound); all None without a comparison (`--compare none`, or `--compare hf` off rank 0)."""
+    errors = [e for e, _ in checks if e is not None]
+    if not errors:
+        return {"max_rel_err": None, "eager_sensitivity": None, "max_rel_err_bound": None, "compare_ok": None}
+    sensitivity = max((s for _, s in checks if s is not None), default=None)
+    bound = check_bound(sensitivity)
+    return {"max_rel_err": max(errors), "eager_sensitivity": sensitivity, "max_rel_err_bound": bound,
+            "compare_ok": max(errors) <= bound}
 
 
 def _percentile(values: list[float], q: float) -> float:

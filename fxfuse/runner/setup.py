@@ -2,7 +2,8 @@
 
 `build_model(setup, ctx, device)` is this rank's shard of the model with its weights (checkpoint, or
 deterministic random weights); `build_reference(setup, ctx, device)` the `--compare` target, an
-eager copy of the model or transformers' model on the same weights. Validation happens before any
+eager copy of the model or transformers' model on the same weights, whose `check` gives a step's
+error and the reference's own sensitivity to rounding (the eager copy's; None for transformers). Validation happens before any
 rank starts, in `fxfuse.runner.options`.
 """
 
@@ -19,6 +20,7 @@ from fxfuse.models.quant.checkpoint import quantize_state_dict
 from fxfuse.models.random_weights import init_random_shards, random_hf_state_dict
 from fxfuse.models.weights import DictSource, SafetensorsSource, load_weights
 from fxfuse.runner.options import RunSetup
+from fxfuse.runner.sensitivity import perturbed_input
 
 #: `--dtype` names -> torch dtypes.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,11 +64,17 @@ class EagerReference:
         self.model = model
 
     @torch.inference_mode()
-    def relative_error(self, input_ids, positions, logits) -> float:
-        """Error of `logits` against the eager model fed the same step."""
+    def check(self, input_ids, positions, logits) -> tuple[float, float]:
+        """(error of `logits` against the eager model fed the same step, the eager model's own sensitivity
+        at this step: the error of its logits when its first layer's input is perturbed by half a bf16
+        rounding step, `fxfuse.runner.sensitivity.perturbed_input`). The perturbed step runs first: the
+        plain one then overwrites the KV-cache positions it wrote."""
         device = next(self.model.parameters()).device
-        expected = self.model(input_ids.to(device), positions.to(device)).float().cpu()
-        return relative_error(logits, expected)
+        input_ids, positions = input_ids.to(device), positions.to(device)
+        with perturbed_input(self.model):
+            perturbed = self.model(input_ids, positions).float().cpu()
+        expected = self.model(input_ids, positions).float().cpu()
+        return relative_error(logits, expected), relative_error(perturbed, expected)
 
 
 class HuggingFaceReference:
@@ -82,17 +90,18 @@ class HuggingFaceReference:
         self.history = torch.zeros(o.batch, setup.max_seq_len, dtype=torch.long)
 
     @torch.inference_mode()
-    def relative_error(self, input_ids, positions, logits) -> float | None:
-        """Error of `logits` against transformers over each sequence's full history."""
+    def check(self, input_ids, positions, logits) -> tuple[float | None, None]:
+        """(error of `logits` against transformers over each sequence's full history, None: no
+        sensitivity is measured, so the check's bound is `fxfuse.runner.sensitivity.TOLERANCE`)."""
         self.history.scatter_(1, positions, input_ids)
         if self.model is None:
-            return None
+            return None, None
         worst = 0.0
         for b in range(input_ids.shape[0]):
             length = int(positions[b].max()) + 1
             expected = self.model(input_ids=self.history[b : b + 1, :length]).logits[0, positions[b]]
             worst = max(worst, relative_error(logits[b], expected))
-        return worst
+        return worst, None
 
 
 def _load_transformers_model(setup: RunSetup):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fxfuse.command_line import CommandParser, at_least
+from fxfuse.command_line import CommandParser, add_dtype_option, at_least
 
 
 def add_tune_pcie_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,7 +25,7 @@ def add_tune_pcie_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=at_least(8), default=7168, help="hidden size of the model (default 7168: DeepSeek-V3, Kimi-K2)")
     p.add_argument("--max-tokens", type=at_least(1), default=512,
                    help="token capacity the job's fxfuse.prepare asks for (default 512)")
-    p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16", help="activations (default bfloat16)")
+    add_dtype_option(p, ("bfloat16", "float16"), "bfloat16", "activations (default bfloat16)")
     p.add_argument("--out", default=None, help="tuning file to write (default: $FXFUSE_PCIE_TUNE_CACHE, else FlashInfer's path)")
 
 

@@ -1,4 +1,5 @@
-"""How far a model's logits move when its arithmetic rounds differently: the yardstick for compiled-vs-eager checks.
+"""How far a model's logits move when its arithmetic rounds differently: the yardstick for compiled-vs-eager checks
+(`fxfuse bench model`'s, and `fxfuse run --compare eager`'s verdict).
 
 A compiled step never rounds exactly as eager does (Inductor fuses elementwise work and keeps float32
 intermediates), so its logits differ from eager's by what the model does to tiny perturbations. That
