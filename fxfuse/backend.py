@@ -15,7 +15,7 @@ Inductor's FX graph cache and AOTAutograd cache serve the compile; with `inner="
 AOT forward graph after the clean-ups Inductor does before that point, and the graph then runs as is.
 Every compiled graph is recorded on the backend object (`records`): the graph before and after, and
 `FusionStats`, also for graphs Inductor loaded from its caches, where the passes did not run
-(`fxfuse.fusion_records` says how). The same numbers are also summed into
+(`fxfuse.rewrite.records` says how). The same numbers are also summed into
 `torch._dynamo.utils.counters["fxfuse"]`, the only view of compiles made through the
 `backend="fxfuse"` entry point. The rewrite depends only on the graph, so every rank makes the same
 decisions.
@@ -34,12 +34,12 @@ import torch.distributed as dist
 import torch.fx
 from torch._dynamo.utils import counters
 
-from fxfuse.fusion_records import CompileRecord, FusionStats, fused_sites_on_cuda, fusion_stats
-from fxfuse.inspect.graph_diff import snapshot
 from fxfuse.op.schema import install_native_fallback
 from fxfuse.passes import allreduce_rmsnorm_fusion, fp8_epilogue, merge_allreduce
 from fxfuse.passes.config import PATTERNS, PassConfig
 from fxfuse.post_grad import FusionPostGradPass, user_passes_of
+from fxfuse.rewrite.graph_diff import snapshot
+from fxfuse.rewrite.records import CompileRecord, FusionStats, fused_sites_on_cuda, fusion_stats
 
 __all__ = ["CompileRecord", "FusionStats", "FxfuseBackend", "fusion_summary", "fxfuse_backend", "post_grad_pass"]
 

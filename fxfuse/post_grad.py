@@ -17,7 +17,7 @@ neither (its compile-time choices use graph facts only, `fxfuse.op.capability`, 
 graph is the same; the op decides the rest when it first runs). It is None (Inductor then compiles
 without its cache, as it would for their pass alone) when a user pass has no uuid.
 A cache hit runs no pass; `recording_cache_hits()` turns what Inductor replays into records
-(`fxfuse.fusion_records`).
+(`fxfuse.rewrite.records`).
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import fxfuse.op
 import fxfuse.passes
-from fxfuse.fusion_records import CompileRecord, fused_sites_on_cuda, mark_compiled, marks_in, record_from_mark
+import fxfuse.rewrite
 from fxfuse.op.schema import install_native_fallback
 from fxfuse.passes import donate_allreduce_input
 from fxfuse.passes.config import PassConfig
+from fxfuse.rewrite.records import CompileRecord, fused_sites_on_cuda, mark_compiled, marks_in, record_from_mark
 
 #: Inductor (torch >= 2.12) hands passes of this kind `is_inference`; older releases call `pass_(graph)`.
 _INFERENCE_AWARE = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", None)
@@ -103,7 +104,7 @@ class FusionPostGradPass(_INFERENCE_AWARE or CustomGraphPass):
     @contextlib.contextmanager
     def recording_cache_hits(self) -> Iterator[None]:
         """Inside: graphs Inductor loads from its caches (where this pass does not run) are recorded
-        too, from the marks their compile left (`fxfuse.fusion_records`), and the C++ fallback is
+        too, from the marks their compile left (`fxfuse.rewrite.records`), and the C++ fallback is
         installed for those with fused CUDA sites, as a run of the pass would."""
         seen, made = counters["inductor"].copy(), self._marks_made.copy()
         try:
@@ -143,13 +144,12 @@ def fxfuse_digest(config: PassConfig) -> str:
 
 
 def hashed_sources() -> tuple[Path, ...]:
-    """The source files behind fxfuse's part of the pass: every module of `fxfuse.passes` and
-    `fxfuse.op` (the op's schema and the compile-time checks), the backend, this module, the records
-    and the graph snapshots."""
+    """The source files behind fxfuse's part of the pass: every module of `fxfuse.passes`, `fxfuse.op`
+    (the op's schema and the compile-time checks) and `fxfuse.rewrite` (the records and the graph
+    snapshots), the backend and this module."""
     here = Path(__file__).resolve().parent
-    packages = (Path(fxfuse.passes.__file__).resolve().parent, Path(fxfuse.op.__file__).resolve().parent)
-    modules = [here / name for name in ("backend.py", "post_grad.py", "fusion_records.py")]
-    modules.append(here / "inspect" / "graph_diff.py")
+    packages = [Path(package.__file__).resolve().parent for package in (fxfuse.passes, fxfuse.op, fxfuse.rewrite)]
+    modules = [here / name for name in ("backend.py", "post_grad.py")]
     return tuple(sorted({*modules, *(path for package in packages for path in package.glob("*.py"))}))
 
 

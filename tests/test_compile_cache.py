@@ -1,6 +1,6 @@
 """fxfuse and Inductor's caches: a second process compiling the same graph is served by the FX graph
 cache and the AOTAutograd cache, and the backend's records, `fusion_summary`, `counters["fxfuse"]` and
-dumps still say what the compiled graph contains (`fxfuse.fusion_records`); and `fxfuse bench compile`.
+dumps still say what the compiled graph contains (`fxfuse.rewrite.records`); and `fxfuse bench compile`.
 
 Slow: the toy decoder (fake process group, one process each) compiled by `FxfuseBackend()` four times
 on one fresh Inductor cache: cold (the passes run), warm (both caches hit; the same records, from the
@@ -27,10 +27,10 @@ from toy_graphs import RMSNORMS, decoder_inputs, fake_process_group, post_grad_g
 import fxfuse.bench.compile_time as compile_time
 import fxfuse.post_grad
 from fxfuse.backend import FxfuseBackend
-from fxfuse.fusion_records import CompileRecord, FusionStats, mark_compiled, mark_name, marks_in, record_from_mark, snapshots_dir
-from fxfuse.inspect.graph_diff import GraphSnapshot
 from fxfuse.passes.config import ALLREDUCE_RESIDUAL_RMSNORM, PATTERNS
 from fxfuse.post_grad import FusionPostGradPass
+from fxfuse.rewrite.graph_diff import GraphSnapshot
+from fxfuse.rewrite.records import CompileRecord, FusionStats, mark_compiled, mark_name, marks_in, record_from_mark, snapshots_dir
 
 TESTS = Path(__file__).resolve().parent
 STATS = FusionStats(allreduces_before=4, merged=0, fused_with_residual=3, fused_without_residual=1, allreduces_after=0)

@@ -39,9 +39,9 @@ import torch
 import torch.fx
 from torch._dynamo.utils import counters
 
-from fxfuse.inspect.graph_diff import GraphSnapshot, render_diff
 from fxfuse.op.fp8_schema import FP8_OPS
 from fxfuse.op.schema import FUSED_OPS
+from fxfuse.rewrite.graph_diff import GraphSnapshot, render_diff
 
 ALL_REDUCE_OP = "_c10d_functional.all_reduce"
 #: How the counters fxfuse adds to `counters["inductor"]` start (one per rewritten graph).
