@@ -1,12 +1,12 @@
 """fxfuse's passes as an Inductor custom post-grad pass, for compiles whose backend is not fxfuse.
 
-`fxfuse.post_grad_pass()` (made in `fxfuse.backend`) returns a `FusionPostGradPass` for
+`post_grad_pass()` (exported as `fxfuse.post_grad_pass`) returns a `FusionPostGradPass` for
 `torch._inductor.config.post_grad_custom_post_pass`: `backend="inductor"`, `mode="max-autotune"`, or a
 framework whose own backend calls Inductor then fuse exactly as `backend="fxfuse"` does, which uses
 the same class. One call of the pass runs, in this order:
 1. the passes that were already in that slot (given as `user_pass`), each as Inductor would have
    run it: they see the graph Inductor's own passes left, as without fxfuse;
-2. fxfuse's merge and fusion passes (`FxfuseBackend.rewrite`: recorded, counted, dumped);
+2. fxfuse's merge and fusion passes (`FusionRecorder.rewrite`: recorded, counted, dumped);
 3. the donation of each fused op's input (`fxfuse.passes.donate_allreduce_input`), last, so that
    Inductor's re-inplacing, which runs next, completes it.
 
@@ -25,10 +25,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import os
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.fx
@@ -41,7 +42,8 @@ import fxfuse.passes
 import fxfuse.rewrite
 from fxfuse.op.schema import install_native_fallback
 from fxfuse.passes import donate_allreduce_input
-from fxfuse.passes.config import PassConfig
+from fxfuse.passes.config import PATTERNS, PassConfig
+from fxfuse.rewrite.recorder import FusionRecorder
 from fxfuse.rewrite.records import CompileRecord, fused_sites_on_cuda, mark_compiled, marks_in, record_from_mark
 
 #: Inductor (torch >= 2.12) hands passes of this kind `is_inference`; older releases call `pass_(graph)`.
@@ -52,17 +54,6 @@ UUID_FORMAT = "fxfuse-post-grad-1: user passes, then merge + fusion, then donati
 GraphPass = Callable[[torch.fx.Graph], None]
 
 
-class Recorder(Protocol):
-    """What the pass needs of the object that runs and records the rewrite (an `FxfuseBackend`)."""
-
-    config: PassConfig
-    records: list[CompileRecord]
-
-    def rewrite(self, graph: torch.fx.Graph) -> None: ...
-
-    def add_record(self, record: CompileRecord) -> None: ...
-
-
 class FusionPostGradPass(_INFERENCE_AWARE or CustomGraphPass):
     """User passes, then fxfuse's rewrite through `recorder`, then donation (see the module docstring).
 
@@ -70,7 +61,7 @@ class FusionPostGradPass(_INFERENCE_AWARE or CustomGraphPass):
     also those Inductor loaded from its caches.
     """
 
-    def __init__(self, recorder: Recorder, user_passes: Sequence[GraphPass] = ()) -> None:
+    def __init__(self, recorder: FusionRecorder, user_passes: Sequence[GraphPass] = ()) -> None:
         self.recorder = recorder
         self.user_passes = tuple(user_passes)
         self._marks_made: Counter[str] = Counter()
@@ -118,6 +109,24 @@ class FusionPostGradPass(_INFERENCE_AWARE or CustomGraphPass):
                     install_native_fallback()
 
 
+def post_grad_pass(
+    user_pass: Any = None,
+    *,
+    patterns: Iterable[str] = PATTERNS,
+    fuse_without_fast_kernel: bool = False,
+    dump_dir: str | os.PathLike | None = None,
+) -> FusionPostGradPass:
+    """fxfuse's passes as an Inductor custom pass, for `torch._inductor.config.post_grad_custom_post_pass`.
+
+    `user_pass`: what that slot held before (None, a pass, or a list of passes): it runs first, then
+    merge and fusion, then the donation of each fused op's input. The other options are
+    `FusionRecorder`'s (and `FxfuseBackend`'s). The pass's `records` lists the graphs it rewrote; wrap a
+    compile in `with fusion.recording_cache_hits():` to also record those Inductor loads from its caches.
+    """
+    recorder = FusionRecorder(patterns, dump_dir, fuse_without_fast_kernel)
+    return FusionPostGradPass(recorder, user_passes_of(user_pass, owner="fxfuse.post_grad_pass"))
+
+
 def user_passes_of(slot: Any, *, owner: str) -> tuple[GraphPass, ...]:
     """The passes held by a `post_grad_custom_post_pass` value (None, a pass, or a list or tuple of
     passes); a `FusionPostGradPass` stands for the user passes it wraps. Raises TypeError naming
@@ -145,12 +154,11 @@ def fxfuse_digest(config: PassConfig) -> str:
 
 def hashed_sources() -> tuple[Path, ...]:
     """The source files behind fxfuse's part of the pass: every module of `fxfuse.passes`, `fxfuse.op`
-    (the op's schema and the compile-time checks) and `fxfuse.rewrite` (the records and the graph
-    snapshots), the backend and this module."""
-    here = Path(__file__).resolve().parent
+    (the op's schema and the compile-time checks) and `fxfuse.rewrite` (the recorder that runs the
+    passes, its records and graph snapshots), and this module. Not the backend: what it adds (the
+    choice of inner compiler) never changes what the pass does to a graph."""
     packages = [Path(package.__file__).resolve().parent for package in (fxfuse.passes, fxfuse.op, fxfuse.rewrite)]
-    modules = [here / name for name in ("backend.py", "post_grad.py")]
-    return tuple(sorted({*modules, *(path for package in packages for path in package.glob("*.py"))}))
+    return tuple(sorted({Path(__file__).resolve(), *(path for package in packages for path in package.glob("*.py"))}))
 
 
 @functools.cache
