@@ -3,5 +3,6 @@ points (`fxfuse.backend`, `fxfuse.post_grad`) stand on.
 
 `recorder.FusionRecorder` runs the passes and keeps a `CompileRecord` per graph (`records`: stats, and
 the marks that carry them across Inductor's cache hits; `graph_diff`: the graph before and after as
-text). This package imports neither entry point, nor anything above them.
+text); `sites` says what became of each all-reduce site, and why one was not fused. This package
+imports neither entry point, nor anything above them.
 """

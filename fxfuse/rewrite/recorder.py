@@ -21,6 +21,7 @@ from fxfuse.passes import allreduce_rmsnorm_fusion, fp8_epilogue, merge_allreduc
 from fxfuse.passes.config import PATTERNS, PassConfig
 from fxfuse.rewrite.graph_diff import snapshot
 from fxfuse.rewrite.records import CompileRecord, fused_sites_on_cuda, fusion_stats
+from fxfuse.rewrite.sites import SiteDecision, site_decisions, sites_before
 
 
 class FusionRecorder:
@@ -43,8 +44,11 @@ class FusionRecorder:
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
         self.records: list[CompileRecord] = []
 
-    def rewrite(self, graph: torch.fx.Graph) -> None:
-        """Run the enabled passes on a post-grad graph in place; record and count what they did."""
+    def rewrite(self, graph: torch.fx.Graph) -> tuple[SiteDecision, ...]:
+        """Run the enabled passes on a post-grad graph in place; record and count what they did.
+
+        Returns what became of each all-reduce site (`fxfuse.rewrite.sites`)."""
+        sites = sites_before(graph)
         before = snapshot(graph)
         merged = merge_allreduce.run(graph, self.config)
         allreduce_rmsnorm_fusion.run(graph, self.config)
@@ -52,7 +56,9 @@ class FusionRecorder:
         after = snapshot(graph, previous=before)
         if fused_sites_on_cuda(graph):
             install_native_fallback()  # the fused op's C++ fallback, before the graph first runs
+        decisions = site_decisions(graph, sites, self.config)
         self.add_record(CompileRecord(before=before, after=after, stats=fusion_stats(graph, before, after, merged)))
+        return decisions
 
     def add_record(self, record: CompileRecord) -> None:
         """Keep the record of a compiled graph: append it to `records`, add its stats to
