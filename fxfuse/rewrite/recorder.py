@@ -2,7 +2,8 @@
 
 Both compile entry points rewrite through one: `FxfuseBackend` is a recorder (`fxfuse.backend`), and
 `fxfuse.post_grad_pass()` makes one for its `FusionPostGradPass` (`fxfuse.post_grad`), which also
-hands it the records of graphs Inductor loaded from its caches (`add_record`).
+hands it the records of graphs Inductor loaded from its caches (`add_record`). Every record is
+logged (`fxfuse.rewrite.log`): a graph that keeps all-reduce sites unfused says so once, with why.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from fxfuse.op.schema import install_native_fallback
 from fxfuse.passes import allreduce_rmsnorm_fusion, fp8_epilogue, merge_allreduce
 from fxfuse.passes.config import PATTERNS, PassConfig
 from fxfuse.rewrite.graph_diff import snapshot
+from fxfuse.rewrite.log import log_record, log_sites
 from fxfuse.rewrite.records import CompileRecord, fused_sites_on_cuda, fusion_stats
-from fxfuse.rewrite.sites import SiteDecision, site_decisions, sites_before
+from fxfuse.rewrite.sites import SiteDecision, site_decisions, sites_before, unfused_sites
 
 
 class FusionRecorder:
@@ -57,13 +59,17 @@ class FusionRecorder:
         if fused_sites_on_cuda(graph):
             install_native_fallback()  # the fused op's C++ fallback, before the graph first runs
         decisions = site_decisions(graph, sites, self.config)
-        self.add_record(CompileRecord(before=before, after=after, stats=fusion_stats(graph, before, after, merged)))
+        log_sites(decisions)
+        stats = fusion_stats(graph, before, after, merged)
+        self.add_record(CompileRecord(before, after, stats, unfused=unfused_sites(decisions)))
         return decisions
 
     def add_record(self, record: CompileRecord) -> None:
         """Keep the record of a compiled graph: append it to `records`, add its stats to
-        `counters["fxfuse"]`, and dump it if `dump_dir` is set."""
+        `counters["fxfuse"]`, log it (`fxfuse.rewrite.log`: a warning if sites were left unfused) and
+        dump it if `dump_dir` is set."""
         self.records.append(record)
+        log_record(record)
         for name, value in asdict(record.stats).items():
             counters["fxfuse"][name] += value
         if self.dump_dir is not None:

@@ -5,10 +5,12 @@ it reduces (a pass that erases the all-reduce clears its arguments) and every no
 `site_decisions(graph, before, config)` follows each site into the rewritten graph, by the node it
 reduced: into a fused op, directly or through the merge pass's new sum of partial results, or to
 an all-reduce left over, which `explain_unfused` explains once however many merged sites it holds.
+`unfused_sites(decisions)` sums up those left unfused for the record (`UnfusedSites`).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch.fx
@@ -16,7 +18,8 @@ import torch.fx
 from fxfuse.op.schema import FUSED_OPS
 from fxfuse.passes.config import PassConfig
 from fxfuse.passes.pattern_support import ALL_REDUCE
-from fxfuse.passes.unfused_reasons import explain_unfused
+from fxfuse.passes.unfused_reasons import explain_unfused, reason_kind
+from fxfuse.rewrite.records import UnfusedSites
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,17 @@ def site_decisions(graph: torch.fx.Graph, before: SitesBefore, config: PassConfi
                      None if producer in fused_into else reasons.get(producer, "not found in the rewritten graph"))
         for all_reduce, producer in zip(before.all_reduces, before.producers)
     )
+
+
+def unfused_sites(decisions: tuple[SiteDecision, ...]) -> UnfusedSites | None:
+    """How many sites were left unfused and the most common reason (the first site's sentence of the
+    most common `reason_kind`); None if every site fused."""
+    reasons = [decision.reason for decision in decisions if not decision.fused]
+    if not reasons:
+        return None
+    kinds = Counter(reason_kind(reason) for reason in reasons)
+    kind, with_reason = kinds.most_common(1)[0]
+    return UnfusedSites(len(reasons), next(reason for reason in reasons if reason_kind(reason) == kind), with_reason)
 
 
 def _original_inputs(node: torch.fx.Node, before: frozenset[torch.fx.Node]) -> list[torch.fx.Node]:
