@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 _LAZY_EXPORTS = {
     "prepare": "fxfuse.op.prepare",
     "destroy_workspaces": "fxfuse.op.prepare",
-    "post_grad_pass": "fxfuse.backend",
+    "post_grad_pass": "fxfuse.post_grad",
 }
 
 

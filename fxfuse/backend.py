@@ -3,8 +3,8 @@
 `torch.compile(model, backend="fxfuse")` resolves to `fxfuse_backend` through the
 `torch_dynamo_backends` entry point, with no import of fxfuse. A configured `FxfuseBackend` object can
 be passed instead: `torch.compile(model, backend=FxfuseBackend(inner="eager", patterns=...))`.
-`post_grad_pass()` (exported as `fxfuse.post_grad_pass`) gives the same passes to compiles whose
-backend is not fxfuse, as Inductor's `post_grad_custom_post_pass` (`fxfuse.post_grad`).
+Compiles whose backend is not fxfuse get the same passes from `fxfuse.post_grad_pass()`, as
+Inductor's `post_grad_custom_post_pass` (`fxfuse.post_grad`).
 
 Data path: dynamo graph -> AOT autograd (functional ATen, Inductor's decompositions) -> the passes
 (`merge_allreduce`, then `allreduce_rmsnorm_fusion`, then `fp8_epilogue`; for Inductor also
@@ -13,9 +13,9 @@ inner compiler. With `inner="inductor"` the passes run as Inductor's `post_grad_
 (`fxfuse.post_grad.FusionPostGradPass`, after any pass the user had put in that slot), whose uuid lets
 Inductor's FX graph cache and AOTAutograd cache serve the compile; with `inner="eager"` they run on the
 AOT forward graph after the clean-ups Inductor does before that point, and the graph then runs as is.
-Every compiled graph is recorded on the backend object (`records`): the graph before and after, and
-`FusionStats`, also for graphs Inductor loaded from its caches, where the passes did not run
-(`fxfuse.fusion_records` says how). The same numbers are also summed into
+The backend is the `fxfuse.rewrite.recorder.FusionRecorder` that runs the passes: every compiled graph
+is recorded on it (`records`): the graph before and after, and `FusionStats`, also for graphs Inductor
+loaded from its caches, where the passes did not run (`fxfuse.rewrite.records` says how). The same numbers are also summed into
 `torch._dynamo.utils.counters["fxfuse"]`, the only view of compiles made through the
 `backend="fxfuse"` entry point. The rewrite depends only on the graph, so every rank makes the same
 decisions.
@@ -25,35 +25,26 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import asdict
-from pathlib import Path
 from typing import Any, Callable
 
-import torch
-import torch.distributed as dist
 import torch.fx
-from torch._dynamo.utils import counters
 
-from fxfuse.fusion_records import CompileRecord, FusionStats, fused_sites_on_cuda, fusion_stats
-from fxfuse.inspect.graph_diff import snapshot
-from fxfuse.op.schema import install_native_fallback
-from fxfuse.passes import allreduce_rmsnorm_fusion, fp8_epilogue, merge_allreduce
-from fxfuse.passes.config import PATTERNS, PassConfig
+from fxfuse.passes.config import PATTERNS
 from fxfuse.post_grad import FusionPostGradPass, user_passes_of
+from fxfuse.rewrite.recorder import FusionRecorder
+from fxfuse.rewrite.records import CompileRecord, FusionStats
 
-__all__ = ["CompileRecord", "FusionStats", "FxfuseBackend", "fusion_summary", "fxfuse_backend", "post_grad_pass"]
+__all__ = ["CompileRecord", "FusionStats", "FxfuseBackend", "fusion_summary", "fxfuse_backend"]
 
 INNER_COMPILERS = ("inductor", "eager")
 
 
-class FxfuseBackend:
+class FxfuseBackend(FusionRecorder):
     """A configured fxfuse backend: pass it as `torch.compile(..., backend=FxfuseBackend(...))`.
 
     inner: "inductor" (default) or "eager" (no code generation: fast, for tests).
-    patterns: names from `fxfuse.passes.config.PATTERNS` to enable (all by default).
-    dump_dir: if set, each pass run writes `graph_<n>[_rank<r>].{before,after,diff}.txt` there.
-    fuse_without_fast_kernel: also fuse CUDA sites where no fused all-reduce kernel can run (by default
-    Inductor keeps those, see `fxfuse.op.capability`; the op's fallback benchmarks turn this on).
+    patterns, dump_dir, fuse_without_fast_kernel: the `FusionRecorder`'s (enabled patterns, where each
+    graph's before/after/diff files go, fusing CUDA sites no fused all-reduce kernel can run).
     After compiling, `records` holds one `CompileRecord` per compiled graph, in order (`from_cache`
     for those Inductor loaded from its caches). With Inductor, the passes take the
     `post_grad_custom_post_pass` slot of Inductor's config for these compiles and run the pass that was
@@ -69,10 +60,8 @@ class FxfuseBackend:
     ) -> None:
         if inner not in INNER_COMPILERS:
             raise ValueError(f"unknown inner compiler {inner!r}; choose one of {INNER_COMPILERS}")
+        super().__init__(patterns, dump_dir, fuse_without_fast_kernel)
         self.inner = inner
-        self.config = PassConfig(frozenset(patterns), fuse_without_fast_kernel)
-        self.dump_dir = Path(dump_dir) if dump_dir is not None else None
-        self.records: list[CompileRecord] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         """Compile a dynamo graph: AOT autograd, the fusion passes, then the inner compiler."""
@@ -110,37 +99,6 @@ class FxfuseBackend:
         gm.recompile()
         return make_boxed_func(gm.forward)
 
-    def rewrite(self, graph: torch.fx.Graph) -> None:
-        """Run the enabled passes on a post-grad graph in place; record and count what they did."""
-        before = snapshot(graph)
-        merged = merge_allreduce.run(graph, self.config)
-        allreduce_rmsnorm_fusion.run(graph, self.config)
-        fp8_epilogue.run(graph, self.config)
-        after = snapshot(graph, previous=before)
-        if fused_sites_on_cuda(graph):
-            install_native_fallback()  # the fused op's C++ fallback, before the graph first runs
-        self.add_record(CompileRecord(before=before, after=after, stats=fusion_stats(graph, before, after, merged)))
-
-    def add_record(self, record: CompileRecord) -> None:
-        """Keep the record of a compiled graph: append it to `records`, add its stats to
-        `counters["fxfuse"]`, and dump it if `dump_dir` is set."""
-        self.records.append(record)
-        for name, value in asdict(record.stats).items():
-            counters["fxfuse"][name] += value
-        if self.dump_dir is not None:
-            self._dump(record, len(self.records) - 1)
-
-    def _dump(self, record: CompileRecord, index: int) -> None:
-        """Write the record's graphs and diff under `dump_dir` (one file set per rank; only the diff file,
-        with the stats, for a graph loaded from Inductor's cache without its snapshots)."""
-        self.dump_dir.mkdir(parents=True, exist_ok=True)
-        rank = f"_rank{dist.get_rank()}" if dist.is_initialized() else ""
-        stem = f"graph_{index:03d}{rank}"
-        if record.before is not None and record.after is not None:
-            (self.dump_dir / f"{stem}.before.txt").write_text(record.before.text())
-            (self.dump_dir / f"{stem}.after.txt").write_text(record.after.text())
-        (self.dump_dir / f"{stem}.diff.txt").write_text(f"{record.stats}\n\n{record.diff()}")
-
 
 def fusion_summary(backend: FxfuseBackend) -> dict[str, int | None]:
     """What the pass did to the graph a run last compiled: the runner's JSON fields.
@@ -166,22 +124,3 @@ def fusion_summary(backend: FxfuseBackend) -> dict[str, int | None]:
 def fxfuse_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
     """The `backend="fxfuse"` entry point: `FxfuseBackend()` with defaults (Inductor, all patterns)."""
     return FxfuseBackend()(gm, example_inputs)
-
-
-def post_grad_pass(
-    user_pass: Any = None,
-    *,
-    patterns: Iterable[str] = PATTERNS,
-    fuse_without_fast_kernel: bool = False,
-    dump_dir: str | os.PathLike | None = None,
-) -> FusionPostGradPass:
-    """fxfuse's passes as an Inductor custom pass, for `torch._inductor.config.post_grad_custom_post_pass`.
-
-    `user_pass`: what that slot held before (None, a pass, or a list of passes): it runs first, then
-    merge and fusion, then the donation of each fused op's input (`fxfuse.post_grad`). The other
-    options are `FxfuseBackend`'s. The pass's `records` lists the graphs it rewrote; wrap a compile in
-    `with fusion.recording_cache_hits():` to also record those Inductor loads from its caches.
-    """
-    backend = FxfuseBackend(inner="inductor", patterns=patterns, dump_dir=dump_dir,
-                            fuse_without_fast_kernel=fuse_without_fast_kernel)
-    return FusionPostGradPass(backend, user_passes_of(user_pass, owner="fxfuse.post_grad_pass"))

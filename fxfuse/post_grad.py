@@ -1,12 +1,12 @@
 """fxfuse's passes as an Inductor custom post-grad pass, for compiles whose backend is not fxfuse.
 
-`fxfuse.post_grad_pass()` (made in `fxfuse.backend`) returns a `FusionPostGradPass` for
+`post_grad_pass()` (exported as `fxfuse.post_grad_pass`) returns a `FusionPostGradPass` for
 `torch._inductor.config.post_grad_custom_post_pass`: `backend="inductor"`, `mode="max-autotune"`, or a
 framework whose own backend calls Inductor then fuse exactly as `backend="fxfuse"` does, which uses
 the same class. One call of the pass runs, in this order:
 1. the passes that were already in that slot (given as `user_pass`), each as Inductor would have
    run it: they see the graph Inductor's own passes left, as without fxfuse;
-2. fxfuse's merge and fusion passes (`FxfuseBackend.rewrite`: recorded, counted, dumped);
+2. fxfuse's merge and fusion passes (`FusionRecorder.rewrite`: recorded, counted, dumped);
 3. the donation of each fused op's input (`fxfuse.passes.donate_allreduce_input`), last, so that
    Inductor's re-inplacing, which runs next, completes it.
 
@@ -17,7 +17,7 @@ neither (its compile-time choices use graph facts only, `fxfuse.op.capability`, 
 graph is the same; the op decides the rest when it first runs). It is None (Inductor then compiles
 without its cache, as it would for their pass alone) when a user pass has no uuid.
 A cache hit runs no pass; `recording_cache_hits()` turns what Inductor replays into records
-(`fxfuse.fusion_records`).
+(`fxfuse.rewrite.records`).
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import os
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.fx
@@ -38,10 +39,12 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import fxfuse.op
 import fxfuse.passes
-from fxfuse.fusion_records import CompileRecord, fused_sites_on_cuda, mark_compiled, marks_in, record_from_mark
+import fxfuse.rewrite
 from fxfuse.op.schema import install_native_fallback
 from fxfuse.passes import donate_allreduce_input
-from fxfuse.passes.config import PassConfig
+from fxfuse.passes.config import PATTERNS, PassConfig
+from fxfuse.rewrite.recorder import FusionRecorder
+from fxfuse.rewrite.records import CompileRecord, fused_sites_on_cuda, mark_compiled, marks_in, record_from_mark
 
 #: Inductor (torch >= 2.12) hands passes of this kind `is_inference`; older releases call `pass_(graph)`.
 _INFERENCE_AWARE = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", None)
@@ -51,17 +54,6 @@ UUID_FORMAT = "fxfuse-post-grad-1: user passes, then merge + fusion, then donati
 GraphPass = Callable[[torch.fx.Graph], None]
 
 
-class Recorder(Protocol):
-    """What the pass needs of the object that runs and records the rewrite (an `FxfuseBackend`)."""
-
-    config: PassConfig
-    records: list[CompileRecord]
-
-    def rewrite(self, graph: torch.fx.Graph) -> None: ...
-
-    def add_record(self, record: CompileRecord) -> None: ...
-
-
 class FusionPostGradPass(_INFERENCE_AWARE or CustomGraphPass):
     """User passes, then fxfuse's rewrite through `recorder`, then donation (see the module docstring).
 
@@ -69,7 +61,7 @@ class FusionPostGradPass(_INFERENCE_AWARE or CustomGraphPass):
     also those Inductor loaded from its caches.
     """
 
-    def __init__(self, recorder: Recorder, user_passes: Sequence[GraphPass] = ()) -> None:
+    def __init__(self, recorder: FusionRecorder, user_passes: Sequence[GraphPass] = ()) -> None:
         self.recorder = recorder
         self.user_passes = tuple(user_passes)
         self._marks_made: Counter[str] = Counter()
@@ -103,7 +95,7 @@ class FusionPostGradPass(_INFERENCE_AWARE or CustomGraphPass):
     @contextlib.contextmanager
     def recording_cache_hits(self) -> Iterator[None]:
         """Inside: graphs Inductor loads from its caches (where this pass does not run) are recorded
-        too, from the marks their compile left (`fxfuse.fusion_records`), and the C++ fallback is
+        too, from the marks their compile left (`fxfuse.rewrite.records`), and the C++ fallback is
         installed for those with fused CUDA sites, as a run of the pass would."""
         seen, made = counters["inductor"].copy(), self._marks_made.copy()
         try:
@@ -115,6 +107,24 @@ class FusionPostGradPass(_INFERENCE_AWARE or CustomGraphPass):
                 self.recorder.add_record(record)
                 if on_cuda and record.stats.fused:
                     install_native_fallback()
+
+
+def post_grad_pass(
+    user_pass: Any = None,
+    *,
+    patterns: Iterable[str] = PATTERNS,
+    fuse_without_fast_kernel: bool = False,
+    dump_dir: str | os.PathLike | None = None,
+) -> FusionPostGradPass:
+    """fxfuse's passes as an Inductor custom pass, for `torch._inductor.config.post_grad_custom_post_pass`.
+
+    `user_pass`: what that slot held before (None, a pass, or a list of passes): it runs first, then
+    merge and fusion, then the donation of each fused op's input. The other options are
+    `FusionRecorder`'s (and `FxfuseBackend`'s). The pass's `records` lists the graphs it rewrote; wrap a
+    compile in `with fusion.recording_cache_hits():` to also record those Inductor loads from its caches.
+    """
+    recorder = FusionRecorder(patterns, dump_dir, fuse_without_fast_kernel)
+    return FusionPostGradPass(recorder, user_passes_of(user_pass, owner="fxfuse.post_grad_pass"))
 
 
 def user_passes_of(slot: Any, *, owner: str) -> tuple[GraphPass, ...]:
@@ -143,14 +153,12 @@ def fxfuse_digest(config: PassConfig) -> str:
 
 
 def hashed_sources() -> tuple[Path, ...]:
-    """The source files behind fxfuse's part of the pass: every module of `fxfuse.passes` and
-    `fxfuse.op` (the op's schema and the compile-time checks), the backend, this module, the records
-    and the graph snapshots."""
-    here = Path(__file__).resolve().parent
-    packages = (Path(fxfuse.passes.__file__).resolve().parent, Path(fxfuse.op.__file__).resolve().parent)
-    modules = [here / name for name in ("backend.py", "post_grad.py", "fusion_records.py")]
-    modules.append(here / "inspect" / "graph_diff.py")
-    return tuple(sorted({*modules, *(path for package in packages for path in package.glob("*.py"))}))
+    """The source files behind fxfuse's part of the pass: every module of `fxfuse.passes`, `fxfuse.op`
+    (the op's schema and the compile-time checks) and `fxfuse.rewrite` (the recorder that runs the
+    passes, its records and graph snapshots), and this module. Not the backend: what it adds (the
+    choice of inner compiler) never changes what the pass does to a graph."""
+    packages = [Path(package.__file__).resolve().parent for package in (fxfuse.passes, fxfuse.op, fxfuse.rewrite)]
+    return tuple(sorted({Path(__file__).resolve(), *(path for package in packages for path in package.glob("*.py"))}))
 
 
 @functools.cache

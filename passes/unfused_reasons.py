@@ -9,9 +9,15 @@ shape or eps, an intermediate value used outside the chain, such as the tensors 
 compiled with grad enabled saves for backward); and where no RMSNorm follows, what stands between
 the all-reduce and one (a reshape that changes the hidden dimension, a cast, the graph's end: the norm
 is then in another compiled graph).
+
+Where the passes know what would fuse the site, the sentence ends with it (`NO_GRAD_ADVICE`,
+`WHOLE_STACK_ADVICE`). `reason_kind(reason)` blanks the nodes a sentence names, so that the sites
+of a graph blocked the same way can be counted together.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 import torch.fx
@@ -233,6 +239,16 @@ def in_another_graph(reason: str, normed: list[tuple[int, str]]) -> str:
     return reason.removesuffix(WHOLE_STACK_ADVICE) + (
         f"graph {graph} applies an RMSNorm to its input `{name}`, so the norm is in another graph (or a later "
         "run of this one, as with torch.compile on each decoder block): compile the whole stack as one graph")
+
+
+#: A node named in a reason, with the op it calls when the sentence gives it: "`rsqrt_1` (rsqrt)".
+_NAMED_NODE = re.compile(r"`[^`]*`(?: \([\w.]+\))?")
+
+
+def reason_kind(reason: str) -> str:
+    """`reason` with the nodes it names blanked: equal for sites blocked the same way (a value of each
+    layer's chain saved for backward, say, whichever value it is)."""
+    return _NAMED_NODE.sub("`…`", reason)
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -1,6 +1,6 @@
 """fxfuse and Inductor's caches: a second process compiling the same graph is served by the FX graph
 cache and the AOTAutograd cache, and the backend's records, `fusion_summary`, `counters["fxfuse"]` and
-dumps still say what the compiled graph contains (`fxfuse.fusion_records`); and `fxfuse bench compile`.
+dumps still say what the compiled graph contains (`fxfuse.rewrite.records`); and `fxfuse bench compile`.
 
 Slow: the toy decoder (fake process group, one process each) compiled by `FxfuseBackend()` four times
 on one fresh Inductor cache: cold (the passes run), warm (both caches hit; the same records, from the
@@ -27,10 +27,10 @@ from toy_graphs import RMSNORMS, decoder_inputs, fake_process_group, post_grad_g
 import fxfuse.bench.compile_time as compile_time
 import fxfuse.post_grad
 from fxfuse.backend import FxfuseBackend
-from fxfuse.fusion_records import CompileRecord, FusionStats, mark_compiled, mark_name, marks_in, record_from_mark, snapshots_dir
-from fxfuse.inspect.graph_diff import GraphSnapshot
-from fxfuse.passes.config import ALLREDUCE_RESIDUAL_RMSNORM, PATTERNS
+from fxfuse.passes.config import ALLREDUCE_RESIDUAL_RMSNORM, ALLREDUCE_RMSNORM, PATTERNS
 from fxfuse.post_grad import FusionPostGradPass
+from fxfuse.rewrite.graph_diff import GraphSnapshot
+from fxfuse.rewrite.records import CompileRecord, FusionStats, mark_compiled, mark_name, marks_in, record_from_mark, snapshots_dir
 
 TESTS = Path(__file__).resolve().parent
 STATS = FusionStats(allreduces_before=4, merged=0, fused_with_residual=3, fused_without_residual=1, allreduces_after=0)
@@ -63,12 +63,13 @@ def compile_in_process(cache: Path, dump_dir: Path, patterns=PATTERNS) -> dict:
     done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(list(patterns)), str(dump_dir), str(TESTS)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "stderr": done.stderr}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """cold, warm, warm without snapshot files, and another pattern set, in that order on one cache."""
+    """cold, warm, warm without snapshot files, and another pattern set cold and warm, in that order on one
+    cache."""
     root = tmp_path_factory.mktemp("cache")
     cache = root / "inductor"
     results = {"cold": compile_in_process(cache, root / "dump_cold"), "warm": compile_in_process(cache, root / "dump_warm")}
@@ -76,6 +77,7 @@ def runs(tmp_path_factory):
         path.unlink()
     results["no_snapshots"] = compile_in_process(cache, root / "dump_no_snapshots")
     results["other_patterns"] = compile_in_process(cache, root / "dump_other", patterns=(ALLREDUCE_RESIDUAL_RMSNORM,))
+    results["other_patterns_warm"] = compile_in_process(cache, root / "dump_other_warm", patterns=(ALLREDUCE_RESIDUAL_RMSNORM,))
     results["dumps"] = {name: sorted(p.name for p in (root / f"dump_{name}").iterdir()) for name in ("cold", "warm", "no_snapshots")}
     return results
 
@@ -121,6 +123,19 @@ def test_another_pattern_set_is_another_cache_entry(runs):
     assert other["caches"]["fxgraph_cache_miss"] == 1 and other["caches"]["fxgraph_cache_hit"] == 0
     (record,) = other["records"]
     assert (record["from_cache"], record["stats"]["fused_with_residual"], record["stats"]["fused_without_residual"]) == (False, 3, 0)
+
+
+@pytest.mark.slow
+def test_a_graph_with_an_unfused_site_warns_once_cold_and_warm(runs):
+    """Its warning (`fxfuse.rewrite.log`) comes with the mark, so a cache hit, where no pass runs, says
+    it too; fully fused graphs say nothing."""
+    assert runs["other_patterns_warm"]["caches"]["fxgraph_cache_hit"] == 1
+    for name in ("cold", "warm", "no_snapshots"):
+        assert "fxfuse fused" not in runs[name]["stderr"]
+    for name, loaded in (("other_patterns", ""), ("other_patterns_warm", " (loaded from Inductor's cache)")):
+        (warning,) = [line for line in runs[name]["stderr"].splitlines() if line.startswith("fxfuse fused")]
+        assert warning == (f"fxfuse fused 3 of 4 all-reduce sites of graph 0/0{loaded}. Most common reason (1 of the 1 "
+                           f"unfused): pattern {ALLREDUCE_RMSNORM} is disabled. TORCH_LOGS=fxfuse lists every site.")
 
 
 # ---------------------------------------------------------------- marks and snapshot files

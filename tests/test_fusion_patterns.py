@@ -30,12 +30,12 @@ from toy_graphs import (
     toy_decoder,
 )
 
-from fxfuse.inspect.graph_diff import op_counts, snapshot
 from fxfuse.op.schema import allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps
 from fxfuse.passes import allreduce_rmsnorm_fusion, canonical_form, merge_allreduce
 from fxfuse.passes.config import PATTERNS, PassConfig
 from fxfuse.passes.pattern_support import same_shape
 from fxfuse.passes.unfused_reasons import REDUCE_SCATTER, explain_unfused
+from fxfuse.rewrite.graph_diff import op_counts, snapshot
 
 FUSED = "fxfuse.allreduce_residual_rmsnorm"
 UNFUSED_OPS = ("_c10d_functional.all_reduce", "_c10d_functional.wait_tensor", "aten.rsqrt", "aten.mean", "aten.pow",

@@ -1,7 +1,7 @@
 """The package layout rules of docs/ARCHITECTURE.md, checked on the source: at most 8 modules directly
 in fxfuse/, no runner module in models/, no import loop among fxfuse's modules (imports inside
-functions included: a lazy import that closes a loop is still a loop to a reader), and lower folders
-never import higher ones."""
+functions included: a lazy import that closes a loop is still a loop to a reader), and lower layers
+never import higher ones (`FORBIDDEN`)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,18 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 #: Source folder -> the package name it ships as.
 PACKAGE_DIRS = {"fxfuse": "fxfuse", "passes": "fxfuse.passes", "models": "fxfuse.models"}
-#: Subpackage -> subpackages it must never import (op is the lowest layer of the compiler side).
+#: What sits above the compile entry points (backend, post_grad): the report, the runner, the CLI.
+ABOVE_ENTRY_POINTS = ("fxfuse.inspect", "fxfuse.runner", "fxfuse.bench", "fxfuse.cli")
+#: Module or subpackage -> those it must never import. The compiler side, lowest first: op, passes,
+#: rewrite (a pass run and its records), post_grad, backend, then the report above them.
 FORBIDDEN = {
-    "fxfuse.op": ("fxfuse.passes", "fxfuse.runner", "fxfuse.bench", "fxfuse.inspect", "fxfuse.backend", "fxfuse.cli"),
-    "fxfuse.models": ("fxfuse.passes", "fxfuse.runner", "fxfuse.bench", "fxfuse.inspect", "fxfuse.backend", "fxfuse.cli", "fxfuse.op"),
-    "fxfuse.passes": ("fxfuse.runner", "fxfuse.bench", "fxfuse.inspect", "fxfuse.backend", "fxfuse.cli", "fxfuse.models"),
+    "fxfuse.op": ("fxfuse.passes", "fxfuse.rewrite", "fxfuse.post_grad", "fxfuse.backend", *ABOVE_ENTRY_POINTS),
+    "fxfuse.models": ("fxfuse.passes", "fxfuse.rewrite", "fxfuse.post_grad", "fxfuse.backend", *ABOVE_ENTRY_POINTS,
+                      "fxfuse.op"),
+    "fxfuse.passes": ("fxfuse.rewrite", "fxfuse.post_grad", "fxfuse.backend", *ABOVE_ENTRY_POINTS, "fxfuse.models"),
+    "fxfuse.rewrite": ("fxfuse.post_grad", "fxfuse.backend", *ABOVE_ENTRY_POINTS, "fxfuse.models"),
+    "fxfuse.post_grad": ("fxfuse.backend", *ABOVE_ENTRY_POINTS, "fxfuse.models"),
+    "fxfuse.backend": (*ABOVE_ENTRY_POINTS, "fxfuse.models"),
     "fxfuse.runner": ("fxfuse.bench", "fxfuse.cli"),
 }
 

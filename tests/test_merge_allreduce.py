@@ -21,10 +21,10 @@ from toy_graphs import (
     rmsnorm_transformers,
 )
 
-from fxfuse.inspect.graph_diff import op_counts, snapshot
 from fxfuse.passes import canonical_form, merge_allreduce
 from fxfuse.passes.config import MERGE_ALLREDUCE, PATTERNS, PassConfig
 from fxfuse.passes.unfused_reasons import explain_unfused
+from fxfuse.rewrite.graph_diff import op_counts, snapshot
 
 ALL_REDUCE = "_c10d_functional.all_reduce"
 

@@ -170,14 +170,15 @@ def test_norm_kernels_compiled_before_the_installation_are_registered_by_it(monk
 _COMPILE_AND_REPORT = """
 import os, torch, torch.distributed as dist
 import fxfuse.backend
+import fxfuse.rewrite.recorder
 from fxfuse.bench.fallback_blocks import PRODUCER_K, block
 from fxfuse.op.native_fallback import native_installed
 dist.init_process_group("gloo", init_method="file://" + os.environ["STORE"], rank=0, world_size=1)
-seen, really_on_cuda = [], fxfuse.backend.fused_sites_on_cuda
+seen, really_on_cuda = [], fxfuse.rewrite.recorder.fused_sites_on_cuda
 def on_cuda(graph):  # CPU tensors here: answer as for a CUDA graph, so the pass installs as it would there
     seen.append(really_on_cuda(graph))
     return True
-fxfuse.backend.fused_sites_on_cuda = on_cuda
+fxfuse.rewrite.recorder.fused_sites_on_cuda = on_cuda
 group_name = dist.group.WORLD.group_name
 backend = fxfuse.backend.FxfuseBackend(fuse_without_fast_kernel=True)
 x, residual, weight, proj = torch.randn(4, PRODUCER_K), torch.randn(4, 64), torch.randn(64), torch.randn(PRODUCER_K, 64)

@@ -3,7 +3,7 @@ fake tensors with a fake process group; and the golden graph diff of the tiny mo
 
 Golden file: tests/golden/tiny_tp2.diff is `render_diff` of the tiny preset's post-grad graph (4 layers,
 tp=2, bfloat16, dynamic shapes) before and after the fxfuse passes, compared exactly. Node and size
-symbol names in it are normalized by fxfuse.inspect.graph_diff (the file is the same on torch 2.11 and 2.13),
+symbol names in it are normalized by fxfuse.rewrite.graph_diff (the file is the same on torch 2.11 and 2.13),
 but the ops themselves come from torch's decompositions and can change with the torch version. After
 checking that a difference is expected, regenerate it with:
 

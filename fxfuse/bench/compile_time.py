@@ -15,7 +15,7 @@ not run; the backend's own share (AOT autograd, the passes, Inductor or its cach
 rest is dynamo. Models: `tiny` at tp=2 and `deepseek-v3` (full widths) at tp=8, both cut to `--layers`.
 It also reads Inductor's cache counters (FX graph cache and AOTAutograd cache hits, misses, bypasses)
 and, for fxfuse, the all-reduce sites and fused sites of the compiled graph from the backend's
-records, which on a hit come from the cache (`fxfuse.fusion_records`).
+records, which on a hit come from the cache (`fxfuse.rewrite.records`).
 
 Writes bench/results/compile_<stamp>.{json,md} (command, machine, versions, date, one row per model
 and backend with the median cold and warm seconds and every sample). Exit status 1 when a warm fxfuse

@@ -1,2 +1,2 @@
-"""What the fusion pass did: graph snapshots and diffs (`graph_diff`) and the per-site report
-behind `fxfuse report` (`site_report`)."""
+"""What the fusion pass makes of a model: the per-site report behind `fxfuse report` (`site_report`)
+and for any compiled function or module (`compiled_report`)."""

@@ -10,7 +10,8 @@ tensors rather than the meta device: torch's pattern matcher skips nodes with me
 Every all-reduce (and reduce-scatter, never fused) in a graph before the passes is one `SiteRow`:
 its decoder layer and block (embedding / attention / MLP / MoE), read from the `nn_module_stack` that
 the node computing the reduced value carries through AOT autograd; whether it ended up inside a fused
-op (possibly after being merged with another all-reduce); and if not, why (`explain_unfused`). A
+op (possibly after being merged with another all-reduce); and if not, why: the backend's own
+`SiteDecision`s (`fxfuse.rewrite.sites`). A
 compile that makes several graphs (graph breaks, one compile per block) gives rows for each, marked
 with the graph's index. `fxfuse.inspect.compiled_report` reports any function or module this way.
 """
@@ -33,11 +34,9 @@ from fxfuse.backend import CompileRecord, FxfuseBackend
 from fxfuse.models.config import ModelConfig
 from fxfuse.models.parallel import ParallelContext
 from fxfuse.op.fp8_schema import FP8_OPS, recipe_of
-from fxfuse.op.schema import FUSED_OPS
 from fxfuse.op.settings import current_settings, what_fused_sites_run
 from fxfuse.passes.config import PATTERNS
 from fxfuse.passes.fp8_epilogue import FP8_REASON
-from fxfuse.passes.pattern_support import ALL_REDUCE
 from fxfuse.passes.unfused_reasons import (
     REDUCE_SCATTER,
     explain_unfused,
@@ -45,6 +44,7 @@ from fxfuse.passes.unfused_reasons import (
     needs_another_graph,
     normed_inputs,
 )
+from fxfuse.rewrite.sites import SiteDecision
 
 #: Block kinds by a word of the module's class name, outermost module first (DeepSeek-V3 reference
 #: and Hugging Face spellings: VocabParallelEmbedding, MLAttention, MoE, ParallelGatedMLP, ...).
@@ -85,8 +85,8 @@ class FusionReport:
     `allreduce_sites`: all-reduces before the passes (summed over the compiled graphs); `fused_sites`:
     those that ended up inside a fused op; `fused_ops`: fused ops in the rewritten graphs (fewer than
     `fused_sites` when sites were merged); `trace_seconds`: dynamo + AOT autograd (the whole compile minus the passes);
-    `pass_seconds`: the fxfuse passes with the backend's before/after snapshots (the first run in a
-    process includes tracing the patterns); `runtime`: what the fused sites run under this process's
+    `pass_seconds`: the fxfuse passes with the backend's before/after snapshots and site decisions (the
+    first run in a process includes tracing the patterns); `runtime`: what the fused sites run under this process's
     FXFUSE_* settings (`fxfuse.op.settings.what_fused_sites_run`).
     """
 
@@ -175,48 +175,31 @@ class SiteTracingBackend(FxfuseBackend):
         self._rows_as_found: list[SiteRow] = []  # `sites` before `in_another_graph`
         self._normed_inputs: list[tuple[int, str]] = []  # (graph index, input name) read by an RMSNorm
 
-    def rewrite(self, graph: torch.fx.Graph) -> None:
-        producers = [node.args[0] for node in graph.find_nodes(op="call_function", target=ALL_REDUCE)]
+    def rewrite(self, graph: torch.fx.Graph) -> tuple[SiteDecision, ...]:
         scatters = list(graph.find_nodes(op="call_function", target=REDUCE_SCATTER))
-        before = set(graph.nodes)
         start = time.perf_counter()
-        super().rewrite(graph)
+        decisions = super().rewrite(graph)
         self.pass_seconds += time.perf_counter() - start
         index = len(self.records) - 1
-        rows = self._rows(graph, producers, before)
+        rows = [_site_row(i, decision) for i, decision in enumerate(decisions)]
         rows += [self._scatter_row(node, len(rows) + i) for i, node in enumerate(scatters)]
         self._rows_as_found += [replace(row, graph=index) for row in rows]
         if any(needs_another_graph(row.reason) for row in self._rows_as_found):  # else skip the graph copy
             self._normed_inputs += [(index, name) for name in normed_inputs(graph)]
         self.sites = [_in_another_graph(row, self._normed_inputs) for row in self._rows_as_found]
+        return decisions
 
     def _scatter_row(self, node: torch.fx.Node, index: int) -> SiteRow:
         layer, block, module = site_location(node.args[0])
         return SiteRow(index, layer, block, module, False, False, explain_unfused(node, self.config),
                        collective="reduce_scatter")
 
-    def _rows(self, graph: torch.fx.Graph, producers: list[torch.fx.Node], before: set[torch.fx.Node]) -> list[SiteRow]:
-        """Follow each site's producer into the rewritten graph: the input of a fused op or of an
-        all-reduce left over, directly or through the merge pass's new sum of partial results."""
-        fused, merged, reasons, fp8 = set(), set(), {}, {}
-        for op in FUSED_OPS:
-            for site in graph.find_nodes(op="call_function", target=op):
-                originals = _original_inputs(site.args[0], before)
-                fused.update(originals)
-                merged.update(originals if len(originals) > 1 else ())
-                note = fp8_note(site)
-                fp8.update(dict.fromkeys(originals, note) if note else {})
-        for left in graph.find_nodes(op="call_function", target=ALL_REDUCE):
-            originals = _original_inputs(left.args[0], before)
-            merged.update(originals if len(originals) > 1 else ())
-            reasons.update(dict.fromkeys(originals, explain_unfused(left, self.config)))
-        rows = []
-        for index, producer in enumerate(producers):
-            layer, block, module = site_location(producer)
-            is_fused = producer in fused
-            reason = None if is_fused else reasons.get(producer, "not found in the rewritten graph")
-            rows.append(SiteRow(index, layer, block, module, is_fused, producer in merged, reason, fp8=fp8.get(producer)))
-        return rows
+
+def _site_row(index: int, decision: SiteDecision) -> SiteRow:
+    """The row of an all-reduce site, located by the node whose value it reduced."""
+    layer, block, module = site_location(decision.producer)
+    fp8 = None if decision.fused_into is None else fp8_note(decision.fused_into)
+    return SiteRow(index, layer, block, module, decision.fused, decision.merged, decision.reason, fp8=fp8)
 
 
 def fp8_note(site: torch.fx.Node) -> str | None:
@@ -233,13 +216,6 @@ def _in_another_graph(row: SiteRow, normed: list[tuple[int, str]]) -> SiteRow:
     normed = sorted(normed, key=lambda entry: entry[0] == row.graph)
     reason = in_another_graph(row.reason, normed) if row.reason is not None else None
     return row if reason == row.reason else replace(row, reason=reason)
-
-
-def _original_inputs(node: torch.fx.Node, before: set[torch.fx.Node]) -> list[torch.fx.Node]:
-    """`node` if it was in the graph before the passes, else the pre-pass nodes it was built from."""
-    if node in before:
-        return [node]
-    return [original for arg in node.all_input_nodes for original in _original_inputs(arg, before)]
 
 
 def trace_sites(

@@ -1,5 +1,5 @@
-"""What one fxfuse pass run did to a graph (`FusionStats`, `CompileRecord`), and how that record
-outlives Inductor's caches.
+"""What one fxfuse pass run did to a graph (`FusionStats`, `UnfusedSites`, `CompileRecord`), and how
+that record outlives Inductor's caches.
 
 Inductor's FX graph cache and AOTAutograd cache key on the post-grad pass's `uuid()`
 (`fxfuse.post_grad`). On a hit Inductor loads the compiled graph and runs no post-grad pass: the
@@ -10,9 +10,10 @@ fxfuse passes never see the graph, yet `FxfuseBackend.records`, `fusion_summary`
   compile made to `counters["inductor"]`, and Inductor adds them again on every hit, from the FX
   graph cache and from the AOTAutograd cache alike (`FxGraphCache.cache_hit_post_compile`). So each
   pass run adds one counter, `mark_name(...)`: `fxfuse:` then a JSON object with the run's stats,
-  whether its fused ops take CUDA tensors (the C++ fallback is installed for those) and the digest
-  of its snapshots. A compile that loaded graphs from the caches shows their marks in the counters'
-  change, which `FusionPostGradPass.recording_cache_hits` turns back into records.
+  whether its fused ops take CUDA tensors (the C++ fallback is installed for those), the digest
+  of its snapshots and its `UnfusedSites` (so that a hit warns as the compile did,
+  `fxfuse.rewrite.log`). A compile that loaded graphs from the caches shows their marks in the
+  counters' change, which `FusionPostGradPass.recording_cache_hits` turns back into records.
 - The snapshots (the graph before and after, up to megabytes of text for a large model) in a side
   file, `<Inductor cache dir>/fxfuse/<digest>.json`, named by the digest of its content: ranks and
   graphs that compiled alike share one file. Without it (another cache directory, a remote cache,
@@ -39,9 +40,9 @@ import torch
 import torch.fx
 from torch._dynamo.utils import counters
 
-from fxfuse.inspect.graph_diff import GraphSnapshot, render_diff
 from fxfuse.op.fp8_schema import FP8_OPS
 from fxfuse.op.schema import FUSED_OPS
+from fxfuse.rewrite.graph_diff import GraphSnapshot, render_diff
 
 ALL_REDUCE_OP = "_c10d_functional.all_reduce"
 #: How the counters fxfuse adds to `counters["inductor"]` start (one per rewritten graph).
@@ -72,18 +73,31 @@ class FusionStats:
 
 
 @dataclass(frozen=True)
+class UnfusedSites:
+    """The all-reduce sites one pass run left unfused: `count` of them, the most common `reason` (one
+    site's sentence, the nodes it names being that site's) and `with_reason`, how many sites it stops
+    (those whose reasons differ only in the nodes named, `fxfuse.passes.unfused_reasons.reason_kind`)."""
+
+    count: int
+    reason: str
+    with_reason: int
+
+
+@dataclass(frozen=True)
 class CompileRecord:
     """One compiled graph: the graph before and after the passes, and its stats.
 
     `from_cache`: Inductor loaded the graph from its FX graph or AOTAutograd cache, so the passes did
     not run in this process; the record comes from the mark the pass left with the cached graph.
     `before`/`after` are None when the snapshots kept beside the cache were not found.
+    `unfused`: the sites left unfused and why, None when every all-reduce site fused (or there was none).
     """
 
     before: GraphSnapshot | None
     after: GraphSnapshot | None
     stats: FusionStats
     from_cache: bool = False
+    unfused: UnfusedSites | None = None
 
     def diff(self) -> str:
         """Readable diff of the graph before and after the passes."""
@@ -133,14 +147,16 @@ def mark_compiled(record: CompileRecord, on_cuda: bool) -> str:
     digest = None
     if record.before is not None and record.after is not None:
         digest = _keep_snapshots(record.before, record.after)
-    name = mark_name(record.stats, on_cuda, digest)
+    name = mark_name(record.stats, on_cuda, digest, record.unfused)
     counters["inductor"][name] += 1
     return name
 
 
-def mark_name(stats: FusionStats, on_cuda: bool, snapshots: str | None) -> str:
-    """The counter name of a pass run: `fxfuse:` + JSON of its stats, CUDA flag and snapshot digest."""
-    payload = {"stats": asdict(stats), "cuda": on_cuda, "snapshots": snapshots}
+def mark_name(stats: FusionStats, on_cuda: bool, snapshots: str | None, unfused: UnfusedSites | None = None) -> str:
+    """The counter name of a pass run: `fxfuse:` + JSON of its stats, CUDA flag, snapshot digest and
+    unfused sites."""
+    payload = {"stats": asdict(stats), "cuda": on_cuda, "snapshots": snapshots,
+               "unfused": None if unfused is None else asdict(unfused)}
     return MARK_PREFIX + json.dumps(payload, sort_keys=True, separators=(",", ":"))
 
 
@@ -155,7 +171,8 @@ def record_from_mark(name: str) -> tuple[CompileRecord, bool]:
     before = after = None
     if payload["snapshots"] is not None:
         before, after = _read_snapshots(payload["snapshots"])
-    return CompileRecord(before, after, FusionStats(**payload["stats"]), from_cache=True), payload["cuda"]
+    unfused = None if payload["unfused"] is None else UnfusedSites(**payload["unfused"])
+    return CompileRecord(before, after, FusionStats(**payload["stats"]), from_cache=True, unfused=unfused), payload["cuda"]
 
 
 def _keep_snapshots(before: GraphSnapshot, after: GraphSnapshot) -> str | None:
