@@ -10,8 +10,8 @@ __version__ = "0.1.0"
 
 #: Public names loaded on first access, so `import fxfuse` never imports CUDA code or FlashInfer.
 _LAZY_EXPORTS = {
-    "prepare": "fxfuse.op.prepare",
-    "destroy_workspaces": "fxfuse.op.prepare",
+    "prepare": "fxfuse.op.runtime.prepare",
+    "destroy_workspaces": "fxfuse.op.runtime.prepare",
     "post_grad_pass": "fxfuse.post_grad",
 }
 

@@ -199,7 +199,7 @@ def _fusion_line(summary: dict) -> str:
         return f"fxfuse found no all-reduce to fuse ({why})"
     sites = f"{summary['fused_sites']} of {summary['allreduce_sites']} all-reduce sites"
     if summary["fxfuse_fusion"] == "off":  # the passes still fuse (they never read the settings); the op does not
-        from fxfuse.op.settings import FusionSettings, what_fused_sites_run
+        from fxfuse.op.decide.settings import FusionSettings, what_fused_sites_run
 
         line = f"fxfuse replaced {sites} with its fused op, but {what_fused_sites_run(FusionSettings(enabled=False))}"
     else:

@@ -13,7 +13,7 @@ the same class. One call of the pass runs, in this order:
 `uuid()` lets Inductor's FX graph cache and AOTAutograd cache key on the pass: a digest of fxfuse's
 pass sources (`hashed_sources()`), the `PassConfig` and the order above, with the user passes' own
 uuids beside it. Nothing of the machine or of the FXFUSE_* settings is in it: the rewrite reads
-neither (its compile-time choices use graph facts only, `fxfuse.op.capability`, so every rank's
+neither (its compile-time choices use graph facts only, `fxfuse.op.decide.capability`, so every rank's
 graph is the same; the op decides the rest when it first runs). It is None (Inductor then compiles
 without its cache, as it would for their pass alone) when a user pass has no uuid.
 A cache hit runs no pass; `recording_cache_hits()` turns what Inductor replays into records
@@ -154,11 +154,12 @@ def fxfuse_digest(config: PassConfig) -> str:
 
 def hashed_sources() -> tuple[Path, ...]:
     """The source files behind fxfuse's part of the pass: every module of `fxfuse.passes`, `fxfuse.op`
-    (the op's schema and the compile-time checks) and `fxfuse.rewrite` (the recorder that runs the
-    passes, its records and graph snapshots), and this module. Not the backend: what it adds (the
-    choice of inner compiler) never changes what the pass does to a graph."""
+    with its sub-packages (the op's schema and the compile-time checks in `fxfuse.op.decide`) and
+    `fxfuse.rewrite` (the recorder that runs the passes, its records and graph snapshots), and this
+    module. Not the backend: what it adds (the choice of inner compiler) never changes what the pass
+    does to a graph."""
     packages = [Path(package.__file__).resolve().parent for package in (fxfuse.passes, fxfuse.op, fxfuse.rewrite)]
-    return tuple(sorted({Path(__file__).resolve(), *(path for package in packages for path in package.glob("*.py"))}))
+    return tuple(sorted({Path(__file__).resolve(), *(path for package in packages for path in package.rglob("*.py"))}))
 
 
 @functools.cache

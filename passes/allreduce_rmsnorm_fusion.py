@@ -46,7 +46,7 @@ import torch.fx
 from torch._inductor.pattern_matcher import Match, PatternMatcherPass, register_replacement, stable_topological_sort
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from fxfuse.op.capability import fused_kernel_unavailable
+from fxfuse.op.decide.capability import fused_kernel_unavailable
 from fxfuse.op.schema import FUSED_OPS, NORM_OPS, allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps
 from fxfuse.passes.canonical_form import canonicalize, val
 from fxfuse.passes.collective_placement import OriginalPlaces, late_input_refusal

@@ -21,7 +21,7 @@ PATTERNS = (MERGE_ALLREDUCE, ALLREDUCE_RESIDUAL_RMSNORM, ALLREDUCE_RMSNORM, FP8_
 class PassConfig:
     """The set of enabled pattern names (all of `PATTERNS` by default; unknown names raise), and
     whether to fuse sites where no fused all-reduce kernel can run (`fuse_without_fast_kernel`; off by
-    default: such CUDA sites are left to Inductor, see `fxfuse.op.capability`; benchmarks of the op's
+    default: such CUDA sites are left to Inductor, see `fxfuse.op.decide.capability`; benchmarks of the op's
     fallback turn it on)."""
 
     patterns: frozenset[str] = frozenset(PATTERNS)

@@ -55,7 +55,7 @@ def kernels_per_call(fn, calls: int) -> list[dict]:
 def parts(tokens: int, hidden: int, group, input_sets) -> dict:
     """Replay medians (us) of the fallback's parts at this point, each call cycling through `input_sets`
     and starting with the producer GEMM into one buffer x, as the compiled blocks do."""
-    from fxfuse.op import add_rmsnorm_kernel as kernel
+    from fxfuse.op.kernels import add_rmsnorm_kernel as kernel
 
     weight, proj = input_sets[0][2], input_sets[0][3]
     x = input_sets[0][0] @ proj
@@ -97,7 +97,7 @@ def parts(tokens: int, hidden: int, group, input_sets) -> dict:
         kernel.num_warps_for = original
         kernel._DIRECT.clear()
         kernel.add_rmsnorm_into(x, input_sets[0][1], weight, EPS, residual_out, normed)  # re-offer the default kernel
-    from fxfuse.op.native_fallback import _NORM_KERNELS
+    from fxfuse.op.kernels.native_fallback import _NORM_KERNELS
     timings["op_kernel_registers"] = {str(key[1]): [norm.n_regs, norm.n_spills, norm.metadata.num_warps]
                                       for key, (norm, _) in _NORM_KERNELS.items()}
     return timings

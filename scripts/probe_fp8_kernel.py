@@ -15,8 +15,8 @@ import statistics
 import torch
 
 from fxfuse.bench.replay import replay_timings
-from fxfuse.op import add_rmsnorm_fp8_kernel as kernel
 from fxfuse.op.fp8_recipe import Fp8Recipe, scale_shape
+from fxfuse.op.kernels import add_rmsnorm_fp8_kernel as kernel
 
 RECIPES = {"group": Fp8Recipe("per_group", 128, 1e-12), "row": Fp8Recipe("per_row", 0, 0.0, torch.bfloat16),
            "tensor": Fp8Recipe("static_mul")}

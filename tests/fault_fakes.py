@@ -1,6 +1,6 @@
 """Stand-ins for the CUDA parts of the fused op's first-call path, so that the real agreement code
 (group config, workspace registry, shared IPC buffers, plan agreement) runs on CPU tensors over gloo
-ranks: a fake GPU (model, arch, NVSwitch links), a fake CUDA runtime for `fxfuse.op.cuda_ipc`, and a
+ranks: a fake GPU (model, arch, NVSwitch links), a fake CUDA runtime for `fxfuse.op.runtime.cuda_ipc`, and a
 fake TensorRT-LLM kernel library whose "fused kernel" is a gloo all-reduce plus the reference norm.
 Each fake fails where it is told to, on the rank it is told to."""
 
@@ -13,9 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxfuse.op.agreement import LocalSteps, agreed_failure
-from fxfuse.op.cuda_ipc import SharedBuffer, close_shared_buffers, create_shared_buffers
+from fxfuse.op.decide.agreement import LocalSteps, agreed_failure
 from fxfuse.op.reference import add_rmsnorm
+from fxfuse.op.runtime.cuda_ipc import SharedBuffer, close_shared_buffers, create_shared_buffers
 
 
 class FakeRuntime:
@@ -71,7 +71,7 @@ class FakeWorkspace:
 
 
 class FakeTrtllmKernels:
-    """The TensorRT-LLM kernel library's interface (`fxfuse.op.trtllm_kernels.TrtllmFusionKernels`) on
+    """The TensorRT-LLM kernel library's interface (`fxfuse.op.runtime.trtllm_kernels.TrtllmFusionKernels`) on
     CPU: the workspace is made of real `create_shared_buffers` over a `FakeRuntime`, its
     initialisation is agreed as the real one is, and the fused kernel is a gloo all-reduce plus the
     reference arithmetic. `fail` names steps ("load", "runtime", "init", or a FakeRuntime call) and

@@ -10,7 +10,7 @@ import pytest
 def build_native_library(folder) -> str:
     """Build the C++ fallback's library into `folder` (the cache that ranks given its path load it from)
     and return the path as a string; skip the calling test where this machine has no C++ compiler."""
-    from fxfuse.op.native_build import build, compiler, library_path
+    from fxfuse.op.kernels.native_build import build, compiler, library_path
 
     if compiler() is None:
         pytest.skip("no C++ compiler on this machine")

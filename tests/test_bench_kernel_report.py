@@ -8,8 +8,8 @@ import pytest
 
 from fxfuse.bench.kernel import parse_args
 from fxfuse.bench.kernel_report import derive_thresholds, file_stem, markdown, write_report
-from fxfuse.op.modes import FusionMode
-from fxfuse.op.thresholds import read_table
+from fxfuse.op.decide.modes import FusionMode
+from fxfuse.op.decide.thresholds import read_table
 
 
 def row(hidden, tokens, variant, us, status="ok", err=3e-3):
@@ -73,7 +73,7 @@ def test_write_report_files(tmp_path):
 
 
 def test_derived_table_round_trips_through_file(tmp_path):
-    from fxfuse.op.thresholds import write_table
+    from fxfuse.op.decide.thresholds import write_table
 
     write_table(derive_thresholds(report()), tmp_path / "t.json")
     assert read_table(tmp_path / "t.json") == derive_thresholds(report())

@@ -12,8 +12,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from toy_graphs import compile_and_run, fake_process_group, funcol_all_reduce, rmsnorm_transformers
 
 from fxfuse.backend import FxfuseBackend
-from fxfuse.op import capability, flashinfer_version
-from fxfuse.op.settings import current_settings
+from fxfuse.op.decide import capability, flashinfer_version
+from fxfuse.op.decide.settings import current_settings
 from fxfuse.passes.pattern_support import ALL_REDUCE
 from fxfuse.passes.unfused_reasons import explain_unfused
 

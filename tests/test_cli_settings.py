@@ -1,8 +1,8 @@
 """A bad FXFUSE_* setting of the fused op is one `fxfuse: error:` line with exit status 2, before any rank
 (or any other work) starts, in every command where the op can run: `fxfuse run` (backend fxfuse, the
 default), `report`, `bench kernel|fallback|model` and `tune pcie`. The values are parsed by the op's own
-parsers (fxfuse.op.settings, fxfuse.op.thresholds), so the message is the one the op would give. An empty
-value of any FXFUSE_* variable counts as unset: every one is read through `fxfuse.op.environment.env_setting`."""
+parsers (fxfuse.op.decide.settings, fxfuse.op.decide.thresholds), so the message is the one the op would give. An empty
+value of any FXFUSE_* variable counts as unset: every one is read through `fxfuse.op.decide.environment.env_setting`."""
 
 from __future__ import annotations
 
@@ -73,14 +73,14 @@ def test_settings_are_not_checked_where_the_op_cannot_run(monkeypatch):
 
 
 def test_the_thresholds_variable_is_the_ops():
-    from fxfuse.op.thresholds import ENV_THRESHOLDS
+    from fxfuse.op.decide.thresholds import ENV_THRESHOLDS
     from fxfuse.runner.op_settings import THRESHOLDS_ENV
 
     assert THRESHOLDS_ENV == ENV_THRESHOLDS
 
 
 def test_a_good_thresholds_file_passes(tmp_path, monkeypatch):
-    from fxfuse.op.thresholds import DEFAULT_PATH
+    from fxfuse.op.decide.thresholds import DEFAULT_PATH
     from fxfuse.runner.op_settings import checked_op_settings, planned_interconnect
 
     monkeypatch.setenv("FXFUSE_THRESHOLDS", str(DEFAULT_PATH))
@@ -94,25 +94,25 @@ def test_a_good_thresholds_file_passes(tmp_path, monkeypatch):
 def _fusion_settings():
     import os
 
-    from fxfuse.op.settings import settings_from_env
+    from fxfuse.op.decide.settings import settings_from_env
 
     return settings_from_env(os.environ)
 
 
 def _thresholds():
-    from fxfuse.op.thresholds import load_thresholds
+    from fxfuse.op.decide.thresholds import load_thresholds
 
     return load_thresholds()
 
 
 def _native_enabled():
-    from fxfuse.op.native_build import native_enabled
+    from fxfuse.op.kernels.native_build import native_enabled
 
     return native_enabled()
 
 
 def _native_cache():
-    from fxfuse.op.native_build import cache_dir
+    from fxfuse.op.kernels.native_build import cache_dir
 
     return cache_dir()
 
@@ -135,7 +135,7 @@ READERS = {
 @pytest.mark.parametrize("empty", ["", "  "], ids=["empty", "blank"])
 @pytest.mark.parametrize("variable", READERS)
 def test_an_empty_setting_counts_as_unset(variable, empty, monkeypatch):
-    """One rule for every FXFUSE_* variable (`fxfuse.op.environment.env_setting`): empty is unset, as in most
+    """One rule for every FXFUSE_* variable (`fxfuse.op.decide.environment.env_setting`): empty is unset, as in most
     tools (`FXFUSE_FUSION=` was refused while `FXFUSE_PCIE_PROFILE=` was taken as unset)."""
     monkeypatch.delenv(variable, raising=False)
     unset = READERS[variable]()

@@ -116,7 +116,7 @@ def _kernels_on_rank(ctx, native_cache: str | None):
 
     if native_cache is not None:
         os.environ["FXFUSE_NATIVE_CACHE"] = native_cache
-    from fxfuse.op import cuda_dispatch
+    from fxfuse.op.runtime import cuda_dispatch
     from fxfuse.op.schema import allreduce_residual_rmsnorm_donate_x
 
     name = use_nccl_plans(ctx)
@@ -125,7 +125,7 @@ def _kernels_on_rank(ctx, native_cache: str | None):
         "nccl_plan": lambda x, r, w: cuda_dispatch.allreduce_residual_rmsnorm_cuda(x, r, w, 1e-6, name, True),
     }
     if native_cache is not None:
-        from fxfuse.op.native_build import load_native_library
+        from fxfuse.op.kernels.native_build import load_native_library
 
         assert load_native_library() is not None
         cuda_dispatch.allreduce_residual_rmsnorm_cuda(torch.randn(4, HIDDEN), None, torch.ones(HIDDEN), 1e-6, name)

@@ -68,8 +68,8 @@ SCENARIOS = ["no fault", *GROUP_STEP_FAULTS, *MISMATCHES, *WORKSPACE_STEP_FAULTS
 def _env(values: dict[str, str]):
     """Set environment variables for one scenario, dropping the cached settings and thresholds before
     and after it."""
-    from fxfuse.op.settings import current_settings
-    from fxfuse.op.thresholds import current_thresholds
+    from fxfuse.op.decide.settings import current_settings
+    from fxfuse.op.decide.thresholds import current_thresholds
 
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
@@ -87,8 +87,9 @@ def _env(values: dict[str, str]):
 
 def _injection(name: str, rank: int, bad: bool, tmp: str):
     """(patches, environment, kernel-library failures) of scenario `name` on this rank."""
-    from fxfuse.op import cuda_dispatch, group_config, workspace
-    from fxfuse.op.flashinfer_version import features
+    from fxfuse.op.decide import group_config
+    from fxfuse.op.decide.flashinfer_version import features
+    from fxfuse.op.runtime import cuda_dispatch, workspace
 
     patches, env, fail = [], {}, {}
     if name in PLAN_STEP_FAULTS:  # every rank plans the NCCL fallback, whose norm kernel one rank fails to build
@@ -139,9 +140,10 @@ def _injection(name: str, rank: int, bad: bool, tmp: str):
 def _fake_machine(rank: int, world_size: int, kernels) -> list:
     """Patches that make this CPU process look like rank `rank` of an NVSwitch-connected H200 group
     with FlashInfer 0.7.2 (no PCIe tuning file), whose TensorRT-LLM kernel library is `kernels`."""
-    from fxfuse.op import cuda_dispatch, group_config
-    from fxfuse.op.flashinfer_version import features
-    from fxfuse.op.topology import LocalView, Topology
+    from fxfuse.op.decide import group_config
+    from fxfuse.op.decide.flashinfer_version import features
+    from fxfuse.op.decide.topology import LocalView, Topology
+    from fxfuse.op.runtime import cuda_dispatch
 
     uuids = [f"gpu-{r}" for r in range(world_size)]
     links = tuple((u, Topology.NVSWITCH) for u in uuids if u != uuids[rank])
@@ -156,7 +158,7 @@ def _fake_machine(rank: int, world_size: int, kernels) -> list:
 
 def _scenario(ctx, name: str, tmp: str, env_everywhere: dict[str, str]) -> tuple:
     """Run the op's first call under scenario `name` (the fault on the last rank); (outcome, seconds)."""
-    from fxfuse.op import cuda_dispatch
+    from fxfuse.op.runtime import cuda_dispatch
 
     group = dist.new_group(list(range(ctx.world_size)))  # a fresh name: no state from other scenarios
     bad = ctx.rank == ctx.world_size - 1
@@ -258,8 +260,9 @@ def test_bad_settings_are_errors_on_cpu_too(bad_env, step):
 def _native_build_fails_on_last_rank(ctx, native_cache: str) -> dict:
     """The C++ fallback builds on every rank but the last (no writable cache there); the op's calls
     then go through C++ on some ranks and Python on the others: the same collectives, the same values."""
-    from fxfuse.op import cuda_dispatch, native_build
-    from fxfuse.op.native_fallback import calls_by_reason
+    from fxfuse.op.kernels import native_build
+    from fxfuse.op.kernels.native_fallback import calls_by_reason
+    from fxfuse.op.runtime import cuda_dispatch
     from fxfuse.op.schema import install_native_fallback
 
     os.environ["FXFUSE_NATIVE_CACHE"] = native_cache

@@ -473,7 +473,7 @@ def _nccl_plan_fp8_on_rank(ctx):
     computed in the activation dtype in fp16 too: the interpreter rounds to bfloat16 wrongly)."""
     import dataclasses
 
-    from fxfuse.op import cuda_dispatch
+    from fxfuse.op.runtime import cuda_dispatch
 
     name = use_nccl_plans(ctx)
     out = []

@@ -12,9 +12,9 @@ import random
 import pytest
 import torch
 
-from fxfuse.op.flashinfer_version import features, parse_version
-from fxfuse.op.modes import FusionMode
-from fxfuse.op.policy import (
+from fxfuse.op.decide.flashinfer_version import features, parse_version
+from fxfuse.op.decide.modes import FusionMode
+from fxfuse.op.decide.policy import (
     FusionDecision,
     FusionProblem,
     decide,
@@ -23,8 +23,8 @@ from fxfuse.op.policy import (
     kernel_threads_per_block,
     trtllm_token_cap,
 )
-from fxfuse.op.settings import FusionSettings, settings_from_env
-from fxfuse.op.thresholds import (
+from fxfuse.op.decide.settings import FusionSettings, settings_from_env
+from fxfuse.op.decide.thresholds import (
     DEFAULT_PATH,
     ENV_THRESHOLDS,
     ThresholdEntry,
@@ -35,7 +35,7 @@ from fxfuse.op.thresholds import (
     read_table,
     write_table,
 )
-from fxfuse.op.topology import Topology
+from fxfuse.op.decide.topology import Topology
 
 H200 = "NVIDIA H200"
 AUTO = FusionSettings()

@@ -78,8 +78,10 @@ def test_models_holds_no_runner_module():
 
 
 def test_the_op_and_its_kernels_live_in_one_subpackage():
-    op_modules = {p.stem for p in (REPO / "fxfuse" / "op").glob("*.py")}
-    assert {"schema", "reference", "cuda_dispatch", "policy", "thresholds"} <= op_modules
+    op = REPO / "fxfuse" / "op"
+    op_modules = {p.relative_to(op).with_suffix("").as_posix() for p in op.rglob("*.py")}
+    assert {"schema", "reference", "runtime/cuda_dispatch", "decide/policy", "decide/thresholds",
+            "kernels/add_rmsnorm_kernel"} <= op_modules
     assert not list((REPO / "fxfuse").glob("*kernel*.py"))
 
 

@@ -1,4 +1,4 @@
-"""The fused op's C++ fallback (fxfuse/op/native_fallback.cpp), built here and driven with CPU tensors on
+"""The fused op's C++ fallback (fxfuse/op/kernels/native_fallback.cpp), built here and driven with CPU tensors on
 two gloo ranks: shapes Python registered run in C++ (same values as the Python plan, donation, copies
 of misaligned inputs, counted under their plan's reason), others go back to the Python kernel;
 installing it replaces the public overloads' CUDA kernel; no compiler or a failing build leaves the
@@ -14,7 +14,7 @@ import pytest
 import torch
 from nccl_plan_helpers import use_nccl_plans
 
-from fxfuse.op.native_build import compiler, library_path
+from fxfuse.op.kernels.native_build import compiler, library_path
 from fxfuse.op.reference import add_rmsnorm
 from fxfuse.runner.launch import run_on_ranks
 
@@ -26,7 +26,7 @@ OVERLOADS = ("allreduce_residual_rmsnorm", "allreduce_residual_rmsnorm.tensor_ep
 @pytest.fixture(scope="module")
 def native_cache(tmp_path_factory):
     """A cache folder holding the built library; ranks started while it is set load it from there."""
-    from fxfuse.op.native_build import build
+    from fxfuse.op.kernels.native_build import build
 
     folder = tmp_path_factory.mktemp("native")
     previous = os.environ.get("FXFUSE_NATIVE_CACHE")
@@ -41,8 +41,8 @@ def native_cache(tmp_path_factory):
 
 def _native_on_rank(ctx):
     """Python decides each shape once (an NCCL plan, registered with C++), then C++ runs its calls."""
-    from fxfuse.op import cuda_dispatch
-    from fxfuse.op.native_fallback import calls_by_reason
+    from fxfuse.op.kernels.native_fallback import calls_by_reason
+    from fxfuse.op.runtime import cuda_dispatch
     from fxfuse.op.schema import install_native_fallback
 
     name = use_nccl_plans(ctx)
@@ -118,7 +118,7 @@ def _install_report(env: dict) -> list[str]:
     code = (
         "import logging, torch\n"
         "logging.basicConfig(level=logging.WARNING)\n"
-        "from fxfuse.op.native_fallback import native_installed\n"
+        "from fxfuse.op.kernels.native_fallback import native_installed\n"
         "from fxfuse.op.schema import install_native_fallback\n"
         "print(install_native_fallback(), native_installed())\n"
         "lines = [l for o in %r for l in torch._C._dispatch_dump('fxfuse::' + o).splitlines() if l.startswith('CUDA:')]\n"
@@ -149,7 +149,7 @@ def test_install_replaces_every_overloads_cuda_kernel(native_cache):
 def test_norm_kernels_compiled_before_the_installation_are_registered_by_it(monkeypatch):
     """A kernel compiled before the C++ path was installed (an eager call before `fxfuse.prepare`) is
     registered when it is; one compiled after, at once; none if the installation failed."""
-    from fxfuse.op import native_fallback
+    from fxfuse.op.kernels import native_fallback
 
     registered = []
     for name, value in (("_INSTALLED", []), ("_NORM_KERNELS", {})):
@@ -172,7 +172,7 @@ import os, torch, torch.distributed as dist
 import fxfuse.backend
 import fxfuse.rewrite.recorder
 from fxfuse.bench.fallback_blocks import PRODUCER_K, block
-from fxfuse.op.native_fallback import native_installed
+from fxfuse.op.kernels.native_fallback import native_installed
 dist.init_process_group("gloo", init_method="file://" + os.environ["STORE"], rank=0, world_size=1)
 seen, really_on_cuda = [], fxfuse.rewrite.recorder.fused_sites_on_cuda
 def on_cuda(graph):  # CPU tensors here: answer as for a CUDA graph, so the pass installs as it would there

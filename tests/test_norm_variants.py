@@ -31,7 +31,7 @@ def fp32_residual_norm(h32: torch.Tensor, weight: torch.Tensor, eps: float, dtyp
 
 
 def _variants_on_rank(ctx, dtype):
-    from fxfuse.op import cuda_dispatch
+    from fxfuse.op.runtime import cuda_dispatch
 
     name = use_nccl_plans(ctx)
     g = torch.Generator().manual_seed(ctx.rank)

@@ -147,8 +147,8 @@ def test_donating_overloads_match_the_functional_op(group, with_residual):
 
 
 def _dispatch_on_rank(ctx):
-    """On each rank: calls through fxfuse.op.cuda_dispatch with a group config that selects NCCL."""
-    from fxfuse.op import cuda_dispatch
+    """On each rank: calls through fxfuse.op.runtime.cuda_dispatch with a group config that selects NCCL."""
+    from fxfuse.op.runtime import cuda_dispatch
 
     name = use_nccl_plans(ctx)
     built = []
@@ -208,7 +208,7 @@ def test_cuda_dispatch_nccl_plan_matches_the_reference_and_caches_its_plan():
 def test_cpu_paths_never_import_flashinfer():
     """Importing the op, its CUDA kernel module and the backend loads no FlashInfer code."""
     code = (
-        "import sys, fxfuse.op.schema, fxfuse.op.cuda_dispatch, fxfuse.op.prepare, fxfuse.backend\n"
+        "import sys, fxfuse.op.schema, fxfuse.op.runtime.cuda_dispatch, fxfuse.op.runtime.prepare, fxfuse.backend\n"
         "loaded = [m for m in sys.modules if m.startswith('flashinfer')]\n"
         "assert not loaded, loaded\n"
     )

@@ -17,13 +17,13 @@ from native_helpers import build_native_library
 from test_fault_matrix import HIDDEN, _fake_machine
 
 from fxfuse.op.reference import add_rmsnorm
-from fxfuse.op.workspace import FusionWorkspace, WorkspaceRegistry
+from fxfuse.op.runtime.workspace import FusionWorkspace, WorkspaceRegistry
 from fxfuse.runner.launch import run_on_ranks
 
 
 def _first_call(group, rank):
     """One fused call on `group` (fp16 CPU tensors); returns (normed, residual_out)."""
-    from fxfuse.op import cuda_dispatch
+    from fxfuse.op.runtime import cuda_dispatch
 
     x = torch.randn(2, HIDDEN, generator=torch.Generator().manual_seed(rank)).half()
     return cuda_dispatch.allreduce_residual_rmsnorm_cuda(x, None, torch.ones(HIDDEN).half(), 1e-6, group.group_name)
@@ -36,7 +36,7 @@ def _destroy_on_rank(ctx, captured_on: tuple[int, ...]):
     """A TensorRT-LLM workspace made by a first call; a PCIe one marked captured on `captured_on` ranks;
     then destroy (refused), destroy with graphs_released (frees both)."""
     import fxfuse
-    from fxfuse.op import cuda_dispatch
+    from fxfuse.op.runtime import cuda_dispatch
 
     group = dist.new_group(list(range(ctx.world_size)))
     kernels = FakeTrtllmKernels(ctx.rank)
@@ -78,7 +78,7 @@ def test_destroy_refuses_on_every_rank_frees_nothing_and_drops_plans(captured_on
 def _reuse_on_rank(ctx, store: str):
     """Group "1" spans both ranks and gets a TensorRT-LLM plan; every group is destroyed; the re-created
     "1" holds rank 0 alone. Rank 0's next call must see a one-rank group, not the old plan."""
-    from fxfuse.op import cuda_dispatch
+    from fxfuse.op.runtime import cuda_dispatch
 
     out = {}
     kernels = FakeTrtllmKernels(ctx.rank)
@@ -107,7 +107,7 @@ def _recreate_groups(ctx, store: str):
 
 
 def _plan_after_call(group, rank):
-    from fxfuse.op import cuda_dispatch
+    from fxfuse.op.runtime import cuda_dispatch
 
     _first_call(group, rank)
     like = torch.empty(2, HIDDEN, dtype=torch.float16)
@@ -131,8 +131,8 @@ def _reuse_in_cpp_on_rank(ctx, store: str, native_cache: str):
     after "1" is re-created for rank 0 alone, the registration must not serve it."""
     os.environ["FXFUSE_NATIVE_CACHE"] = native_cache
     os.environ["FXFUSE_FUSION"] = "off"
-    from fxfuse.op import cuda_dispatch
-    from fxfuse.op.native_fallback import calls_by_reason
+    from fxfuse.op.kernels.native_fallback import calls_by_reason
+    from fxfuse.op.runtime import cuda_dispatch
     from fxfuse.op.schema import install_native_fallback
 
     assert install_native_fallback()
@@ -195,7 +195,7 @@ def test_exit_with_a_busy_stream_frees_nothing(capsys):
 
 
 def test_the_native_cache_needs_no_home_directory(monkeypatch):
-    from fxfuse.op import native_build
+    from fxfuse.op.kernels import native_build
 
     monkeypatch.delenv("FXFUSE_NATIVE_CACHE", raising=False)
     monkeypatch.setattr(os.path, "expanduser", lambda path: path)  # no $HOME and no passwd entry
@@ -210,12 +210,12 @@ def test_a_corrupt_cached_library_is_rebuilt(tmp_path):
     import subprocess
     import sys
 
-    from fxfuse.op.native_build import compiler, library_path
+    from fxfuse.op.kernels.native_build import compiler, library_path
 
     if compiler() is None:
         pytest.skip("no C++ compiler on this machine")
     env = {**os.environ, "FXFUSE_NATIVE_CACHE": str(tmp_path)}
-    code = ("from fxfuse.op.native_build import load_native_library, library_path, compiler\n"
+    code = ("from fxfuse.op.kernels.native_build import load_native_library, library_path, compiler\n"
             "print(load_native_library() == library_path(compiler()))\n")
     os.environ["FXFUSE_NATIVE_CACHE"] = str(tmp_path)
     try:
@@ -257,7 +257,7 @@ def test_arguments_that_do_not_fit_are_refused_by_the_cpu_and_fake_kernels(resid
 
 def test_rows_wider_than_the_triton_kernel_get_the_reference_values():
     """hidden > 65536 raised inside the norm after a donated x was already all-reduced in place."""
-    from fxfuse.op.add_rmsnorm_kernel import MAX_HIDDEN, add_rmsnorm_into
+    from fxfuse.op.kernels.add_rmsnorm_kernel import MAX_HIDDEN, add_rmsnorm_into
 
     reduced, residual = torch.randn(2, MAX_HIDDEN + 16), torch.randn(2, MAX_HIDDEN + 16)
     weight = torch.randn(MAX_HIDDEN + 16)
@@ -272,8 +272,8 @@ def _cpp_refuses_on_rank(ctx, native_cache: str):
     from nccl_plan_helpers import use_nccl_plans
 
     import fxfuse.op.schema  # noqa: F401 - defines the ops the C++ path calls back into
-    from fxfuse.op import cuda_dispatch
-    from fxfuse.op.native_build import load_native_library
+    from fxfuse.op.kernels.native_build import load_native_library
+    from fxfuse.op.runtime import cuda_dispatch
 
     assert load_native_library() is not None
     name = use_nccl_plans(ctx)

@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 CHECK = """
 import importlib.util, json, sys
-import fxfuse, fxfuse.models.deepseek_v3, fxfuse.passes.allreduce_rmsnorm_fusion, fxfuse.op.thresholds
+import fxfuse, fxfuse.models.deepseek_v3, fxfuse.passes.allreduce_rmsnorm_fusion, fxfuse.op.decide.thresholds
 assert fxfuse.__file__.startswith(sys.argv[1]), fxfuse.__file__
 assert importlib.util.find_spec("models") is None and importlib.util.find_spec("passes") is None
 print(json.dumps({"ok": True}))
@@ -32,7 +32,8 @@ def installed(tmp_path_factory) -> Path:
 def test_non_editable_install_imports_subpackages_under_fxfuse(installed, tmp_path):
     assert (installed / "fxfuse" / "models" / "deepseek_v3.py").is_file()
     assert (installed / "fxfuse" / "passes" / "allreduce_rmsnorm_fusion.py").is_file()
-    assert (installed / "fxfuse" / "op" / "default_thresholds.json").is_file()
+    assert (installed / "fxfuse" / "op" / "decide" / "default_thresholds.json").is_file()
+    assert (installed / "fxfuse" / "op" / "kernels" / "native_fallback.cpp").is_file()
     assert not (installed / "models").exists() and not (installed / "passes").exists()
     # run from an empty directory with only the install on the path (not the repo checkout)
     env = {"PYTHONPATH": str(installed), "PATH": "/usr/bin:/bin"}

@@ -26,7 +26,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from toy_graphs import RMSNORMS, decoder_inputs, fake_process_group, post_grad_graph, toy_decoder
 
 import fxfuse
-import fxfuse.op.flashinfer_version
+import fxfuse.op.decide.flashinfer_version
 import fxfuse.post_grad
 from fxfuse.backend import FxfuseBackend
 from fxfuse.op.schema import DONATING_TWIN, FUSED_OPS
@@ -139,7 +139,7 @@ def test_uuid_ignores_the_machine_and_the_settings(monkeypatch):
     installed FlashInfer say: the op reads those when it runs."""
     default = post_grad_pass().uuid()
     monkeypatch.setenv("FXFUSE_FUSION", "off")
-    monkeypatch.setattr(fxfuse.op.flashinfer_version, "installed_version", lambda: "0.7.2")
+    monkeypatch.setattr(fxfuse.op.decide.flashinfer_version, "installed_version", lambda: "0.7.2")
     assert post_grad_pass().uuid() == default
 
 
@@ -159,10 +159,11 @@ def test_sources_digest_follows_every_file_and_not_the_checkout(tmp_path):
 def test_hashed_sources_cover_the_pass_code():
     names = {f"{path.parent.name}/{path.name}" for path in hashed_sources()}
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for folder, expected in (("passes", os.listdir(os.path.join(repo, "passes"))),
-                             ("op", os.listdir(os.path.join(repo, "fxfuse", "op"))),
-                             ("rewrite", os.listdir(os.path.join(repo, "fxfuse", "rewrite")))):
-        assert {f"{folder}/{name}" for name in expected if name.endswith(".py")} <= names
+    folders = [os.path.join(repo, "passes"), os.path.join(repo, "fxfuse", "rewrite")]
+    folders += [root for root, _, _ in os.walk(os.path.join(repo, "fxfuse", "op")) if "__pycache__" not in root]
+    for folder in folders:
+        expected = {f"{os.path.basename(folder)}/{name}" for name in os.listdir(folder) if name.endswith(".py")}
+        assert expected and expected <= names, folder
     assert "fxfuse/post_grad.py" in names and "fxfuse/backend.py" not in names
 
 

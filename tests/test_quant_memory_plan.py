@@ -68,7 +68,7 @@ def test_kv_cache_activations_and_total():
     assert activation_bytes(TINY_ALIGNED, 2, 3, 5, 40, 2) == max(attention, logits, dense, experts) + 4 * 15 * 64 * 4
     assert plan.activation_bytes == 18240 + 15360  # the experts' rows dominate this tiny step
     assert plan.graph_output_bytes == 3 * (1 + 4) * 128 * 4  # each captured width keeps its float32 logits
-    from fxfuse.op.workspace import workspace_bytes
+    from fxfuse.op.runtime.workspace import workspace_bytes
 
     assert plan.workspace_bytes == workspace_bytes(2, 15, 64, torch.bfloat16)
     assert plan.weight_bytes == weight_bytes(TINY_ALIGNED, 2, "int4", torch.bfloat16, int4_group=16)
@@ -112,9 +112,9 @@ def test_run_refuses_a_layout_tp_cannot_split_before_starting_ranks(capsys):
 def test_the_workspace_is_the_tensorrt_llm_kernels_capped_as_the_op_caps_it_or_the_pcie_all_reduces():
     from dataclasses import replace
 
-    from fxfuse.op.pcie_kernels import pcie_workspace_bytes
-    from fxfuse.op.policy import trtllm_token_cap
-    from fxfuse.op.workspace import workspace_bytes
+    from fxfuse.op.decide.policy import trtllm_token_cap
+    from fxfuse.op.runtime.pcie_kernels import pcie_workspace_bytes
+    from fxfuse.op.runtime.workspace import workspace_bytes
 
     inputs = PlanInputs(tp=2, weights="bf16", dtype=torch.bfloat16, batch=40_000, context=128, step_tokens=128, fused_workspace=True)
     nvlink = plan_memory(TINY_ALIGNED, inputs, "tiny-aligned")

@@ -26,11 +26,11 @@ from torch import nn
 
 from fxfuse.cli import main
 from fxfuse.inspect.compiled_report import report_compiled
+from fxfuse.inspect.site_report import SiteRow, fake_process_group, report_model, summarize, trace_model, trace_sites
 from fxfuse.models.layers import RMSNorm
 from fxfuse.models.parallel import ParallelContext
 from fxfuse.models.presets import get_preset
 from fxfuse.passes.config import ALLREDUCE_RESIDUAL_RMSNORM, MERGE_ALLREDUCE
-from fxfuse.inspect.site_report import SiteRow, fake_process_group, report_model, summarize, trace_model, trace_sites
 
 GOLDEN = Path(__file__).parent / "golden" / "tiny_tp2.diff"
 TINY_BLOCKS = [(None, "embedding")] + [(0, "attention"), (0, "MLP")] + [(i, b) for i in (1, 2, 3) for b in ("attention", "MoE")]
@@ -329,7 +329,7 @@ def test_report_compiled_lists_reduce_scatter_sites():
 def test_the_report_says_what_fused_sites_run_under_the_settings(monkeypatch, fusion, says):
     """`FXFUSE_FUSION=off fxfuse report` said the sites were fused and nothing else, while the run sent
     every one of them through NCCL: the report now says what the setting makes them run."""
-    from fxfuse.op.settings import current_settings
+    from fxfuse.op.decide.settings import current_settings
 
     monkeypatch.setenv("FXFUSE_FUSION", fusion)
     current_settings.cache_clear()

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from fxfuse.op.add_rmsnorm_kernel import next_power_of_2
-from fxfuse.op.triton_launch import launch_hooks_installed
+from fxfuse.op.kernels.add_rmsnorm_kernel import next_power_of_2
+from fxfuse.op.kernels.triton_launch import launch_hooks_installed
 
 triton = pytest.importorskip("triton", reason="Triton is not installed")
 
@@ -70,8 +70,8 @@ class _Compiled:
 
 
 def test_ptx_parameter_types_read_the_entry():
-    from fxfuse.op.add_rmsnorm_kernel import PTX_PARAMETERS
-    from fxfuse.op.triton_launch import ptx_parameter_types
+    from fxfuse.op.kernels.add_rmsnorm_kernel import PTX_PARAMETERS
+    from fxfuse.op.kernels.triton_launch import ptx_parameter_types
 
     assert ptx_parameter_types(PTX, "add_rmsnorm_rows") == PTX_PARAMETERS + ["u64", "u64"]
     with pytest.raises(ValueError, match="no entry 'other'"):
@@ -79,8 +79,8 @@ def test_ptx_parameter_types_read_the_entry():
 
 
 def test_driver_launch_answers_only_for_the_plain_launch():
-    from fxfuse.op.add_rmsnorm_kernel import PTX_PARAMETERS
-    from fxfuse.op.triton_launch import driver_launch
+    from fxfuse.op.kernels.add_rmsnorm_kernel import PTX_PARAMETERS
+    from fxfuse.op.kernels.triton_launch import driver_launch
 
     assert driver_launch(_Compiled(), PTX_PARAMETERS) == (0xABC, 128, 16)
     without_scratch = PTX.replace(",\n\t.param .u64 .ptr .global .align 1 add_rmsnorm_rows_param_7", "").replace(

@@ -14,14 +14,14 @@ import torch
 import torch.distributed as dist
 from fault_fakes import FakeRuntime
 
-from fxfuse.op.agreement import ConfigMismatch, fingerprint
-from fxfuse.op.cuda_ipc import SharedBufferError, close_shared_buffers, create_shared_buffers
-from fxfuse.op.flashinfer_version import features
-from fxfuse.op.group_config import LocalReport, combine_reports
-from fxfuse.op.settings import FusionSettings
-from fxfuse.op.thresholds import ThresholdTable
-from fxfuse.op.topology import LocalView, Topology, combine_views
-from fxfuse.op.workspace import WorkspaceNotPrepared, WorkspaceRegistry, workspace_bytes
+from fxfuse.op.decide.agreement import ConfigMismatch, fingerprint
+from fxfuse.op.decide.flashinfer_version import features
+from fxfuse.op.decide.group_config import LocalReport, combine_reports
+from fxfuse.op.decide.settings import FusionSettings
+from fxfuse.op.decide.thresholds import ThresholdTable
+from fxfuse.op.decide.topology import LocalView, Topology, combine_views
+from fxfuse.op.runtime.cuda_ipc import SharedBufferError, close_shared_buffers, create_shared_buffers
+from fxfuse.op.runtime.workspace import WorkspaceNotPrepared, WorkspaceRegistry, workspace_bytes
 from fxfuse.runner.launch import run_on_ranks
 
 
@@ -166,7 +166,7 @@ def test_exit_with_a_busy_gpu_returns_without_peers_or_hanging(reports):
 def test_exit_with_an_idle_gpu_releases_locally(monkeypatch):
     kernels = FakeKernels(0)
     reg = registry_for(kernels)
-    from fxfuse.op.workspace import FusionWorkspace
+    from fxfuse.op.runtime.workspace import FusionWorkspace
 
     reg._ready[("g", 64, torch.bfloat16)] = FusionWorkspace(("g", 64, torch.bfloat16), 8, "h")
     reg.release_all()
@@ -280,7 +280,7 @@ def test_group_config_is_agreed_or_the_same_error_everywhere():
 
 def group_config_on_rank(ctx):
     """Each rank sends a report with its own settings; all gather and combine."""
-    from fxfuse.op.agreement import gather_objects
+    from fxfuse.op.decide.agreement import gather_objects
 
     mine = report(settings="auto" if ctx.rank == 0 else "FXFUSE_FUSION=off", links=(f"g{ctx.rank}", {}))
     try:
@@ -299,10 +299,10 @@ def test_differing_settings_raise_the_same_error_on_every_rank():
 def test_cpu_paths_never_import_flashinfer():
     code = (
         "import sys, torch, fxfuse\n"
-        "import fxfuse.op.prepare as p, fxfuse.op.trtllm_kernels, fxfuse.op.pcie_kernels, fxfuse.op.workspace\n"
-        "import fxfuse.op.cuda_dispatch, fxfuse.op.capability, fxfuse.bench.kernel\n"
+        "import fxfuse.op.runtime.prepare as p, fxfuse.op.runtime.trtllm_kernels, fxfuse.op.runtime.pcie_kernels, fxfuse.op.runtime.workspace\n"
+        "import fxfuse.op.runtime.cuda_dispatch, fxfuse.op.decide.capability, fxfuse.bench.kernel\n"
         "assert fxfuse.prepare is p.prepare and fxfuse.destroy_workspaces is p.destroy_workspaces\n"
-        "assert fxfuse.op.capability.fused_kernel_unavailable('cpu', torch.bfloat16, 2) is None\n"
+        "assert fxfuse.op.decide.capability.fused_kernel_unavailable('cpu', torch.bfloat16, 2) is None\n"
         "assert not [m for m in sys.modules if m.startswith('flashinfer')], 'flashinfer imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

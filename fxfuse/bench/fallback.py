@@ -172,8 +172,8 @@ def checked_point(variants: Variants, tokens: int, hidden: int, device: torch.de
 def bench_rank(ctx, options: dict) -> dict:
     """Compile, check and time every (hidden, quantization, mode, tokens) point, within the time budget."""
     import fxfuse
-    from fxfuse.op.cuda_dispatch import fusion_stats
-    from fxfuse.op.native_fallback import native_installed
+    from fxfuse.op.kernels.native_fallback import native_installed
+    from fxfuse.op.runtime.cuda_dispatch import fusion_stats
 
     started = time.monotonic()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -295,7 +295,7 @@ def _fallback_parts_us(hidden: int, device, group_name: str, calls: int) -> dict
     the all-reduce + wait it issues, its add-RMSNorm kernel launch, the whole op through the dispatcher
     (its C++ kernel where that is installed), and the op's Python kernel (`..._planned`, what runs
     without the C++ one)."""
-    from fxfuse.op.add_rmsnorm_kernel import add_rmsnorm_into
+    from fxfuse.op.kernels.add_rmsnorm_kernel import add_rmsnorm_into
     from fxfuse.op.schema import allreduce_residual_rmsnorm_donate_x
 
     python_kernel = torch.ops.fxfuse.allreduce_residual_rmsnorm_planned.default

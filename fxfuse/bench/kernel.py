@@ -37,7 +37,7 @@ from fxfuse.bench.arguments import KERNEL_DESCRIPTION, add_kernel_arguments, che
 from fxfuse.bench.kernel_report import FUSED_MODES, VARIANTS, derive_thresholds, markdown, write_report
 from fxfuse.bench.output import package_versions, publish, relative_l2_error, report_header
 from fxfuse.command_line import CommandParser, check_output_dir, check_output_file, parsed_or_status
-from fxfuse.op.modes import FusionMode
+from fxfuse.op.decide.modes import FusionMode
 from fxfuse.runner.launch import run_on_ranks
 from fxfuse.runner.torchrun import launched_world_size
 
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write_thresholds(report: dict, path: Path) -> None:
-    from fxfuse.op.thresholds import ThresholdTable, read_table, write_table
+    from fxfuse.op.decide.thresholds import ThresholdTable, read_table, write_table
 
     try:
         derived = derive_thresholds(report)
@@ -128,8 +128,8 @@ def _write_thresholds(report: dict, path: Path) -> None:
 
 def bench_rank(ctx, config: BenchConfig) -> dict | None:
     """One rank's part: measure every (hidden, tokens, variant); rank 0 returns the report."""
-    from fxfuse.op import prepare as op_prepare
-    from fxfuse.op.cuda_dispatch import group_config
+    from fxfuse.op.runtime import prepare as op_prepare
+    from fxfuse.op.runtime.cuda_dispatch import group_config
 
     share_gpus = "gloo" in str(dist.get_backend(ctx.group))
     if share_gpus:
@@ -225,8 +225,8 @@ class _RankBench:
         return _Runs(check, timed)
 
     def _fused_runs(self, variant, x, residual, weight) -> "_Runs | str":
-        from fxfuse.op.policy import FusionProblem, feasible_trtllm_modes
-        from fxfuse.op.prepare import forced_plan
+        from fxfuse.op.decide.policy import FusionProblem, feasible_trtllm_modes
+        from fxfuse.op.runtime.prepare import forced_plan
 
         mode = FUSED_MODES[variant]
         tokens, hidden = x.shape
@@ -281,7 +281,7 @@ class _RankBench:
         return statistics.median(samples)
 
     def _max_over_ranks(self, values: list[float]) -> list[float]:
-        from fxfuse.op.agreement import collective_device
+        from fxfuse.op.decide.agreement import collective_device
 
         t = torch.tensor(values, dtype=torch.float64, device=collective_device(self.ctx.group))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctx.group)

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from fxfuse.bench.output import header_lines, write_result_files
-from fxfuse.op.modes import FusionMode
-from fxfuse.op.thresholds import ThresholdEntry, ThresholdTable, TokenRange
+from fxfuse.op.decide.modes import FusionMode
+from fxfuse.op.decide.thresholds import ThresholdEntry, ThresholdTable, TokenRange
 
 #: Benchmark variants in table order, with the column titles used in reports.
 VARIANTS = {

@@ -441,7 +441,7 @@ def _max_over_ranks(ctx, values: list[float]) -> list[float]:
     """Element-wise maximum of `values` over the group (the values themselves at tp=1)."""
     if ctx.world_size == 1:
         return list(values)
-    from fxfuse.op.agreement import collective_device
+    from fxfuse.op.decide.agreement import collective_device
 
     t = torch.tensor(values, dtype=torch.float64, device=collective_device(ctx.group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)

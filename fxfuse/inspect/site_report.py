@@ -33,8 +33,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from fxfuse.backend import CompileRecord, FxfuseBackend
 from fxfuse.models.config import ModelConfig
 from fxfuse.models.parallel import ParallelContext
+from fxfuse.op.decide.settings import current_settings, what_fused_sites_run
 from fxfuse.op.fp8_schema import FP8_OPS, recipe_of
-from fxfuse.op.settings import current_settings, what_fused_sites_run
 from fxfuse.passes.config import PATTERNS
 from fxfuse.passes.fp8_epilogue import FP8_REASON
 from fxfuse.passes.unfused_reasons import (
@@ -87,7 +87,7 @@ class FusionReport:
     `fused_sites` when sites were merged); `trace_seconds`: dynamo + AOT autograd (the whole compile minus the passes);
     `pass_seconds`: the fxfuse passes with the backend's before/after snapshots and site decisions (the
     first run in a process includes tracing the patterns); `runtime`: what the fused sites run under this process's
-    FXFUSE_* settings (`fxfuse.op.settings.what_fused_sites_run`).
+    FXFUSE_* settings (`fxfuse.op.decide.settings.what_fused_sites_run`).
     """
 
     model: str

@@ -18,8 +18,8 @@ all-reduce, the add, the norm and the quantization run as one op (one kernel aft
 
 Overloads as for the plain op: `tensor_eps` (eps a 0-dim CPU tensor), and the donating twins
 `donate_x` / `donate_x_tensor_eps` (x may be all-reduced in place). The CPU kernel is the reference
-(`fxfuse.op.cpu_kernel` then `fxfuse.op.fp8_recipe.quantize_fp8`); the CUDA kernel is
-`fxfuse.op.cuda_dispatch.allreduce_residual_rmsnorm_fp8_cuda`. Outputs never alias inputs.
+(`fxfuse.op.runtime.cpu_kernel` then `fxfuse.op.fp8_recipe.quantize_fp8`); the CUDA kernel is
+`fxfuse.op.runtime.cuda_dispatch.allreduce_residual_rmsnorm_fp8_cuda`. Outputs never alias inputs.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import functools
 
 import torch
 
-from fxfuse.op.cpu_kernel import allreduce_residual_rmsnorm_cpu
 from fxfuse.op.fp8_recipe import FP8_DTYPE, FP8_MAX, Fp8Recipe, check_fp8_arguments, quantize_fp8, scale_shape
 from fxfuse.op.reference import NORM_ARGUMENTS, check_arguments
+from fxfuse.op.runtime.cpu_kernel import allreduce_residual_rmsnorm_cpu
 
 FP8_OP_NAME = "fxfuse::allreduce_residual_rmsnorm_fp8"
 _RESULTS = "(Tensor quantized, Tensor scales, Tensor residual_out, Tensor normed)"
@@ -119,8 +119,8 @@ def _fake_fp8_kernel(x, residual, weight, eps, group_name, scaling, group_size, 
 
 @functools.cache
 def _cuda_dispatch():
-    """`fxfuse.op.cuda_dispatch`, imported on the first CUDA call."""
-    from fxfuse.op import cuda_dispatch
+    """`fxfuse.op.runtime.cuda_dispatch`, imported on the first CUDA call."""
+    from fxfuse.op.runtime import cuda_dispatch
 
     return cuda_dispatch
 

@@ -28,8 +28,8 @@ Overloads:
   functional op. What x holds after the call is unspecified.
 
 The CPU kernels (gloo) are the reference (their arithmetic is `fxfuse.op.reference.add_rmsnorm`).
-The CUDA kernels live in `fxfuse.op.cuda_dispatch`, imported only when a CUDA tensor reaches the op;
-`fxfuse.op.native_fallback` may put its C++ kernel in front of them (same values, less host time),
+The CUDA kernels live in `fxfuse.op.runtime.cuda_dispatch`, imported only when a CUDA tensor reaches the op;
+`fxfuse.op.kernels.native_fallback` may put its C++ kernel in front of them (same values, less host time),
 which calls back into them through the internal op `allreduce_residual_rmsnorm_planned`.
 The fake kernels make the op traceable with symbolic token counts. Both outputs are fresh tensors:
 they never alias an input.
@@ -42,10 +42,12 @@ import functools
 import torch
 import torch.distributed as dist
 
-from fxfuse.op import fp8_schema, native_fallback
-from fxfuse.op.cpu_kernel import allreduce_residual_rmsnorm_cpu
-from fxfuse.op.native_build import load_native_library
+from fxfuse.op import fp8_schema
+
+from fxfuse.op.kernels import native_fallback
+from fxfuse.op.kernels.native_build import load_native_library
 from fxfuse.op.reference import NORM_ARGUMENTS, add_rmsnorm, check_arguments
+from fxfuse.op.runtime.cpu_kernel import allreduce_residual_rmsnorm_cpu
 
 OP_NAME = "fxfuse::allreduce_residual_rmsnorm"
 _RESULTS = "(Tensor normed, Tensor residual_out)"
@@ -68,7 +70,7 @@ for _overload, _arguments in OVERLOADS.items():
     torch.library.define(f"fxfuse::{_overload_name(_overload)}", f"{_arguments} -> {_RESULTS}")
 
 
-#: Internal ops of the CUDA path (see `fxfuse.op.native_fallback`): the Python kernel that decides
+#: Internal ops of the CUDA path (see `fxfuse.op.kernels.native_fallback`): the Python kernel that decides
 #: and runs a call (what the C++ fallback calls for shapes it was not told to run itself), and the
 #: fused add-RMSNorm kernel writing into given outputs (what the C++ fallback launches after its
 #: all-reduce). Their CPU kernels are the reference, so the C++ path is testable on CPU.
@@ -84,16 +86,16 @@ torch.library.define(
 
 @functools.cache
 def _cuda_dispatch():
-    """`fxfuse.op.cuda_dispatch`, imported on the first CUDA call (its entry is looked up per call)."""
-    from fxfuse.op import cuda_dispatch
+    """`fxfuse.op.runtime.cuda_dispatch`, imported on the first CUDA call (its entry is looked up per call)."""
+    from fxfuse.op.runtime import cuda_dispatch
 
     return cuda_dispatch
 
 
 @functools.cache
 def _norm_into_entry():
-    """`fxfuse.op.add_rmsnorm_kernel.add_rmsnorm_into` (the Triton kernel), imported on first use."""
-    from fxfuse.op.add_rmsnorm_kernel import add_rmsnorm_into
+    """`fxfuse.op.kernels.add_rmsnorm_kernel.add_rmsnorm_into` (the Triton kernel), imported on first use."""
+    from fxfuse.op.kernels.add_rmsnorm_kernel import add_rmsnorm_into
 
     return add_rmsnorm_into
 
@@ -145,7 +147,7 @@ def _register_cpu_and_fake(overload: str) -> None:
 
 
 def _register_python_cuda_kernels() -> None:
-    """Register the Python CUDA kernel (`fxfuse.op.cuda_dispatch`) of every public overload."""
+    """Register the Python CUDA kernel (`fxfuse.op.runtime.cuda_dispatch`) of every public overload."""
     library = torch.library.Library("fxfuse", "IMPL")
     for overload in OVERLOADS:
         donated = overload.startswith("donate_x")
@@ -160,7 +162,7 @@ def _register_python_cuda_kernels() -> None:
 
 
 def install_native_fallback() -> bool:
-    """Make the C++ fallback (`fxfuse.op.native_fallback`) the public overloads' CUDA kernel, once per
+    """Make the C++ fallback (`fxfuse.op.kernels.native_fallback`) the public overloads' CUDA kernel, once per
     process; False if it cannot be built or loaded here (the Python kernels then stay)."""
     if not native_fallback.installation_decided():
         installed = load_native_library() is not None

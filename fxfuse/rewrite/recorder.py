@@ -32,7 +32,7 @@ class FusionRecorder:
     patterns: names from `fxfuse.passes.config.PATTERNS` to enable (all by default).
     dump_dir: if set, each record writes `graph_<n>[_rank<r>].{before,after,diff}.txt` there.
     fuse_without_fast_kernel: also fuse CUDA sites where no fused all-reduce kernel can run (by default
-    those are left unfused, see `fxfuse.op.capability`; the op's fallback benchmarks turn this on).
+    those are left unfused, see `fxfuse.op.decide.capability`; the op's fallback benchmarks turn this on).
     `records` holds the records in order; each is also summed into `counters["fxfuse"]`.
     """
 

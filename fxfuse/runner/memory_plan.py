@@ -8,10 +8,10 @@
   layers x batch x context x (kv_lora_rank + qk_rope_head_dim) x dtype bytes, plus the float32
   rotary tables (2 x context x qk_rope_head_dim / 2);
 - fused-op workspace, at tp > 1 with backend fxfuse on CUDA: on NVLink / NVSwitch GPUs
-  (`interconnect="nvlink"`) the TensorRT-LLM kernel's, `fxfuse.op.workspace.workspace_bytes` for the
-  tokens it is sized for, capped as the op caps it (`fxfuse.op.policy.trtllm_token_cap`: its 32-bit
+  (`interconnect="nvlink"`) the TensorRT-LLM kernel's, `fxfuse.op.runtime.workspace.workspace_bytes` for the
+  tokens it is sized for, capped as the op caps it (`fxfuse.op.decide.policy.trtllm_token_cap`: its 32-bit
   offsets; larger calls run the NCCL fallback); on PCIe-only GPUs (`interconnect="pcie"`) FlashInfer's
-  PCIe all-reduce's, `fxfuse.op.pcie_kernels.pcie_workspace_bytes`;
+  PCIe all-reduce's, `fxfuse.op.runtime.pcie_kernels.pcie_workspace_bytes`;
 - activations: the largest transient of the widest step (batch x step tokens), an estimate: the
   attention scores over the whole static cache (scores and masked scores in the dtype, float32
   softmax, probabilities in the dtype: batch x local heads x tokens x context x (3 x dtype + 4)), or
@@ -193,11 +193,11 @@ def _workspace(config: ModelConfig, inputs: PlanInputs) -> tuple[int, int]:
         return 0, 0
     tokens = inputs.batch * inputs.step_tokens
     if inputs.interconnect == "pcie":
-        from fxfuse.op.pcie_kernels import pcie_workspace_bytes
+        from fxfuse.op.runtime.pcie_kernels import pcie_workspace_bytes
 
         return tokens, pcie_workspace_bytes(inputs.tp, tokens, config.hidden_size, inputs.dtype)
-    from fxfuse.op.policy import trtllm_token_cap
-    from fxfuse.op.workspace import workspace_bytes
+    from fxfuse.op.decide.policy import trtllm_token_cap
+    from fxfuse.op.runtime.workspace import workspace_bytes
 
     tokens = min(tokens, trtllm_token_cap(inputs.tp, config.hidden_size))
     return tokens, workspace_bytes(inputs.tp, tokens, config.hidden_size, inputs.dtype)

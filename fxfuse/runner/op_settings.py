@@ -1,6 +1,6 @@
 """The fused op's FXFUSE_* settings, checked in the launching process before any rank starts.
 
-The op reads its settings (`fxfuse.op.settings`) and its thresholds file (`fxfuse.op.thresholds`) on
+The op reads its settings (`fxfuse.op.decide.settings`) and its thresholds file (`fxfuse.op.decide.thresholds`) on
 each rank when it first runs: a bad value found there ends a run late, on every rank at once, or not at
 all where the op never reads it (the CPU kernel). `check_op_settings(environ)` parses them up front with
 the op's own parsers and raises RunError naming the variable and what is wrong. Importing this module
@@ -12,16 +12,16 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Mapping
 
-from fxfuse.op.environment import env_setting
+from fxfuse.op.decide.environment import env_setting
 from fxfuse.runner.errors import RunError
 
 if TYPE_CHECKING:
-    from fxfuse.op.settings import FusionSettings
+    from fxfuse.op.decide.settings import FusionSettings
 
 #: What the fused op's workspace is planned for (`fxfuse.runner.memory_plan`): FlashInfer's TensorRT-LLM
 #: kernel on NVLink / NVSwitch GPUs, or its PCIe all-reduce on PCIe-only GPUs.
 INTERCONNECTS = ("nvlink", "pcie")
-#: The variable naming the thresholds file (`fxfuse.op.thresholds.ENV_THRESHOLDS`, whose module imports torch).
+#: The variable naming the thresholds file (`fxfuse.op.decide.thresholds.ENV_THRESHOLDS`, whose module imports torch).
 THRESHOLDS_ENV = "FXFUSE_THRESHOLDS"
 
 
@@ -29,14 +29,14 @@ def checked_op_settings(environ: Mapping[str, str] = os.environ) -> FusionSettin
     """The op's settings from `environ`; RunError if FXFUSE_FUSION, FXFUSE_MAX_TOKENS, FXFUSE_TOPOLOGY or
     FXFUSE_PCIE_PROFILE holds a value the op does not understand, or FXFUSE_THRESHOLDS names a file that
     is missing or not a thresholds table."""
-    from fxfuse.op.settings import settings_from_env
+    from fxfuse.op.decide.settings import settings_from_env
 
     try:
         settings = settings_from_env(environ)
     except ValueError as exc:
         raise RunError(f"bad setting {exc}") from None
     if env_setting(THRESHOLDS_ENV, environ):
-        from fxfuse.op.thresholds import load_thresholds
+        from fxfuse.op.decide.thresholds import load_thresholds
 
         try:
             load_thresholds(environ=environ)

@@ -19,7 +19,7 @@ import torch
 
 from fxfuse.models.config import ModelConfig
 from fxfuse.models.quant.scheme import FP8_GEMMS, WEIGHT_FORMATS, QuantScheme, checkpoint_format
-from fxfuse.op.environment import env_setting
+from fxfuse.op.decide.environment import env_setting
 from fxfuse.runner.memory_plan import PlanInputs, device_memory_bytes, plan_memory
 
 #: Environment variable choosing the FP8 GEMM (see models/quant/scheme.py).

@@ -21,7 +21,7 @@ from dataclasses import asdict
 import torch
 
 from fxfuse.models.parallel import ParallelContext
-from fxfuse.op.settings import current_settings
+from fxfuse.op.decide.settings import current_settings
 from fxfuse.runner.cuda_graph_step import CudaGraphStep
 from fxfuse.runner.launch import run_on_ranks
 from fxfuse.runner.options import RunOptions, RunSetup, prepare_run
@@ -187,7 +187,7 @@ def _prepare_fused_kernel(ctx: ParallelContext, setup: RunSetup, device: torch.d
 
 #: What the fused op runs on CPU (`fxfuse.op.schema`'s CPU kernel).
 CPU_KERNEL = "the CPU reference kernel: gloo all-reduce + float32 RMSNorm"
-#: How `fused_op_ran` names each implementation of the fused op on CUDA (`fxfuse.op.modes.FusionMode` values).
+#: How `fused_op_ran` names each implementation of the fused op on CUDA (`fxfuse.op.decide.modes.FusionMode` values).
 CUDA_IMPLEMENTATIONS = {
     "oneshot": "FlashInfer's TensorRT-LLM kernel (one-shot)",
     "twoshot": "FlashInfer's TensorRT-LLM kernel (two-shot)",
@@ -202,7 +202,7 @@ def fused_op_ran(device_type: str, fused_sites: int | None) -> str | None:
         return None
     if device_type != "cuda":
         return CPU_KERNEL
-    from fxfuse.op.prepare import fusion_stats
+    from fxfuse.op.runtime.prepare import fusion_stats
 
     return describe_fusion_stats(fusion_stats())
 

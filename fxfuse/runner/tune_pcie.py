@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     import torch
 
-    from fxfuse.op.flashinfer_version import installed_features
+    from fxfuse.op.decide.flashinfer_version import installed_features
     from fxfuse.runner.launch import run_on_ranks
 
     features = installed_features()
@@ -72,8 +72,8 @@ def tune_rank(ctx, hidden: int, max_tokens: int, dtype_name: str, out: str | Non
     """One rank's part: build the job's workspace, tune it (collective), return (path, measured shapes)."""
     import torch
 
-    from fxfuse.op.pcie_kernels import PcieAllReduceKernels
-    from fxfuse.op.settings import current_settings
+    from fxfuse.op.decide.settings import current_settings
+    from fxfuse.op.runtime.pcie_kernels import PcieAllReduceKernels
 
     settings = current_settings()
     path = out or settings.pcie_tune_cache

@@ -17,7 +17,7 @@ import zlib
 import pytest
 import torch
 
-from fxfuse.op.flashinfer_version import installed_features
+from fxfuse.op.decide.flashinfer_version import installed_features
 
 _FEATURES = installed_features()
 _SM = torch.cuda.get_device_capability()[0] * 10 + torch.cuda.get_device_capability()[1] if torch.cuda.is_available() else 0
@@ -87,7 +87,7 @@ def rel_errs(out, ref) -> tuple[float, float]:
 
 def fused_calls() -> dict:
     """{mode: calls} of the fused op's fused implementations so far in this process."""
-    from fxfuse.op.cuda_dispatch import fusion_stats
+    from fxfuse.op.runtime.cuda_dispatch import fusion_stats
 
     counts: dict = {}
     for (_, mode, _, _), n in fusion_stats()["fused"].items():
@@ -101,7 +101,7 @@ def build_flashinfer_kernels() -> float:
     all-reduce. Ranks spawned afterwards load them from the cache, so that a spawn's timeout bounds its own
     work rather than the JIT's. Raises FlashInferUnavailable (saying why) if the kernel cannot be built.
     Returns the seconds it took."""
-    from fxfuse.op.trtllm_kernels import TrtllmFusionKernels
+    from fxfuse.op.runtime.trtllm_kernels import TrtllmFusionKernels
 
     started = time.monotonic()
     TrtllmFusionKernels().load()

@@ -45,7 +45,7 @@ import torch
 
 from flashinfer_gpu import FLASHINFER_GPU_MARKS
 
-from fxfuse.op.flashinfer_version import installed_features
+from fxfuse.op.decide.flashinfer_version import installed_features
 from fxfuse.runner.launch import run_on_ranks
 
 pytestmark = FLASHINFER_GPU_MARKS
@@ -99,7 +99,7 @@ def capture_and_compare(ctx, case: str, inner: str, path: str) -> dict:
     from fxfuse.backend import FxfuseBackend
     from fxfuse.models.deepseek_v3 import DeepseekV3ForCausalLM
     from fxfuse.models.random_weights import init_random_shards
-    from fxfuse.op import cuda_dispatch
+    from fxfuse.op.runtime import cuda_dispatch
     from fxfuse.runner.cuda_graph_step import CudaGraphStep
 
     device = torch.device("cuda", torch.cuda.current_device())

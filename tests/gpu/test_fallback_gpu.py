@@ -22,7 +22,7 @@ TOLERANCE = 1e-2  # relative L2 vs fp32; bf16 rounding alone gives about 3e-3
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("hidden", [100, 256, 4096, 5120, 7168, 16384])
 def test_triton_add_rmsnorm_matches_the_reference_arithmetic(dtype, hidden):
-    from fxfuse.op.add_rmsnorm_kernel import add_rmsnorm_into
+    from fxfuse.op.kernels.add_rmsnorm_kernel import add_rmsnorm_into
     from fxfuse.op.reference import add_rmsnorm
 
     for tokens in (1, 7, 300):
@@ -44,7 +44,7 @@ def test_direct_launch_matches_the_jit_launch_and_skips_misaligned_pointers():
     """After the first (JIT) launch of a key, launches go straight to the compiled kernel: same bits as
     the JIT gives; a misaligned pointer (which the compiled kernel was not specialized for) goes back
     through the JIT and is still right."""
-    from fxfuse.op import add_rmsnorm_kernel as kernel
+    from fxfuse.op.kernels import add_rmsnorm_kernel as kernel
     from fxfuse.op.reference import add_rmsnorm
 
     hidden, dtype = 3072, torch.bfloat16
@@ -73,8 +73,8 @@ def test_direct_launch_matches_the_jit_launch_and_skips_misaligned_pointers():
 def one_rank_checks(ctx) -> dict:
     """The op on a one-rank NCCL group: eager, donated, and CUDA-graph replay on fresh input."""
     import fxfuse
-    from fxfuse.op import cuda_dispatch
-    from fxfuse.op.native_fallback import calls_by_reason, native_installed
+    from fxfuse.op.kernels.native_fallback import calls_by_reason, native_installed
+    from fxfuse.op.runtime import cuda_dispatch
     from fxfuse.op.schema import (
         allreduce_residual_rmsnorm,
         allreduce_residual_rmsnorm_donate_x,
@@ -186,7 +186,7 @@ def test_compiled_block_fallback_matches_inductor_under_cuda_graphs():
 def compile_without_prepare(ctx) -> dict:
     """A fused block compiled and run with no `fxfuse.prepare`: the backend installs the C++ fallback."""
     from fxfuse.backend import FxfuseBackend
-    from fxfuse.op.native_fallback import calls_by_reason, native_installed
+    from fxfuse.op.kernels.native_fallback import calls_by_reason, native_installed
 
     block = _block_on(ctx.group.group_name)
     device = torch.device("cuda", torch.cuda.current_device())

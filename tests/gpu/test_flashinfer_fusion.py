@@ -29,7 +29,7 @@ TOKENS = (1, 32, 128)
 
 
 def _flag_bytes_are_zero(workspace) -> bool:
-    from fxfuse.op.trtllm_kernels import _device_view
+    from fxfuse.op.runtime.trtllm_kernels import _device_view
 
     flags = workspace.handle.buffers[1]
     return bool((_device_view(flags.local, flags.size, torch.device("cuda", torch.cuda.current_device())) == 0).all())
@@ -40,12 +40,12 @@ def fused_checks(ctx) -> dict:
     os.environ["FXFUSE_TOPOLOGY"] = "nvswitch"
     torch.cuda.set_device(ctx.rank % torch.cuda.device_count())
     import fxfuse
-    from fxfuse.op import cuda_dispatch
-    from fxfuse.op.cuda_ipc import cuda_runtime
-    from fxfuse.op.modes import FusionMode
-    from fxfuse.op.prepare import forced_plan
+    from fxfuse.op.decide.modes import FusionMode
+    from fxfuse.op.runtime import cuda_dispatch
+    from fxfuse.op.runtime.cuda_ipc import cuda_runtime
+    from fxfuse.op.runtime.prepare import forced_plan
+    from fxfuse.op.runtime.trtllm_kernels import trtllm_layout
     from fxfuse.op.schema import allreduce_residual_rmsnorm
-    from fxfuse.op.trtllm_kernels import trtllm_layout
 
     device, group_name = torch.device("cuda", torch.cuda.current_device()), ctx.group.group_name
     # Poison memory the flag buffer is likely to reuse, so zeroing (not luck) is what the check sees.
@@ -186,7 +186,7 @@ def one_rank_fails_creation(ctx) -> dict:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.mem_get_info = lambda *a: (0, total)
     import fxfuse
-    from fxfuse.op import cuda_dispatch
+    from fxfuse.op.runtime import cuda_dispatch
     from fxfuse.op.schema import allreduce_residual_rmsnorm
 
     device = torch.device("cuda", torch.cuda.current_device())

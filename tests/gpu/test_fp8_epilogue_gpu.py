@@ -66,7 +66,7 @@ def _codes(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("hidden", [4096, 7000, 7168])  # 7000: a partial last group of 88
 @pytest.mark.parametrize("name", RECIPES)
 def test_the_fused_kernel_quantizes_exactly_as_the_recipe(name, hidden, dtype):
-    from fxfuse.op.add_rmsnorm_fp8_kernel import add_rmsnorm_fp8_into, quantize_fp8_into
+    from fxfuse.op.kernels.add_rmsnorm_fp8_kernel import add_rmsnorm_fp8_into, quantize_fp8_into
     from fxfuse.op.reference import add_rmsnorm
 
     recipe = _recipe_for(name, dtype)
@@ -97,7 +97,7 @@ def test_the_fused_kernel_quantizes_exactly_as_the_recipe(name, hidden, dtype):
 def test_nan_lands_where_the_unfused_code_puts_it(name):
     """Issue 29 defect 6: an all-zero group without a lower bound (0 / 0) and a NaN value give NaN scales
     and codes as torch does (the kernel's maxima and clamps propagate NaN); zeros keep their sign."""
-    from fxfuse.op.add_rmsnorm_fp8_kernel import quantize_fp8_into
+    from fxfuse.op.kernels.add_rmsnorm_fp8_kernel import quantize_fp8_into
 
     recipe = _recipe_for(name, torch.bfloat16)
     normed = torch.randn(4, 512, device="cuda").to(torch.bfloat16)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from flashinfer_gpu import CUDA_GPU_MARKS, EPS, NORM_VARIANTS, inputs, reference, rel_errs, trtllm_takes, variant_arguments
 
-from fxfuse.op.flashinfer_version import installed_features
+from fxfuse.op.decide.flashinfer_version import installed_features
 from fxfuse.runner.launch import run_on_ranks
 
 pytestmark = CUDA_GPU_MARKS
@@ -29,8 +29,8 @@ TOLERANCE = 1e-2  # relative L2 error; bf16 rounding alone gives about 3e-3
 
 
 def _plans(ctx, torch_dtype):
-    from fxfuse.op.modes import FusionMode
-    from fxfuse.op.prepare import forced_plan
+    from fxfuse.op.decide.modes import FusionMode
+    from fxfuse.op.runtime.prepare import forced_plan
 
     features = installed_features()
     plans = {"nccl": forced_plan(ctx.group, FusionMode.FALLBACK, HIDDEN, torch_dtype, TOKENS)}

@@ -29,7 +29,7 @@ def pcie_checks(ctx) -> dict:
     os.environ.update(FXFUSE_TOPOLOGY="pcie", FXFUSE_PCIE_PROFILE="rootcplx")
     torch.cuda.set_device(ctx.rank % torch.cuda.device_count())
     import fxfuse
-    from fxfuse.op import cuda_dispatch
+    from fxfuse.op.runtime import cuda_dispatch
     from fxfuse.op.schema import allreduce_residual_rmsnorm
 
     device, name = torch.device("cuda", torch.cuda.current_device()), ctx.group.group_name

@@ -25,7 +25,7 @@ memory): every rank falls back together, with the same reason naming that rank.
 How the paths are chosen: FXFUSE_TOPOLOGY=nvswitch makes the world group's op pick the TensorRT-LLM
 kernel; a second group of the same ranks gets the agreed config with topology PCIe (`install_config`:
 the settings are read once per process), so its op picks the PCIe path; forced plans
-(`fxfuse.op.prepare.forced_plan`) run one implementation each, whatever the table would pick.
+(`fxfuse.op.runtime.prepare.forced_plan`) run one implementation each, whatever the table would pick.
 
 What the runs need (expected; to be measured on the H200, where the last test prints the measured
 values per world size; DEVELOPERS.md keeps them):
@@ -72,7 +72,7 @@ from flashinfer_gpu import (
     variant_arguments,
 )
 
-from fxfuse.op.flashinfer_version import installed_features
+from fxfuse.op.decide.flashinfer_version import installed_features
 from fxfuse.op.fp8_recipe import Fp8Recipe
 from fxfuse.runner.launch import run_on_ranks
 
@@ -174,9 +174,9 @@ def variant_case(plan, variant: str) -> Case:
 def pcie_topology_group(ctx):
     """A second group of the same ranks whose agreed config says PCIe (what FXFUSE_TOPOLOGY=pcie would
     give; the settings are read once per process and the world group keeps NVSwitch)."""
-    from fxfuse.op.cuda_dispatch import group_config
-    from fxfuse.op.group_config import install_config
-    from fxfuse.op.topology import Topology
+    from fxfuse.op.decide.group_config import install_config
+    from fxfuse.op.decide.topology import Topology
+    from fxfuse.op.runtime.cuda_dispatch import group_config
 
     group = dist.new_group(list(range(ctx.world_size)))
     install_config(group, replace(group_config(group), topology=Topology.PCIE, topology_reason="the test's PCIe group"))
@@ -185,8 +185,8 @@ def pcie_topology_group(ctx):
 
 def cases(ctx, pcie_group, features):
     """((path, variant, tokens), Case) for every check of this rank, in the same order on every rank."""
-    from fxfuse.op.modes import FusionMode
-    from fxfuse.op.prepare import forced_plan
+    from fxfuse.op.decide.modes import FusionMode
+    from fxfuse.op.runtime.prepare import forced_plan
 
     def plan(mode, group):
         return forced_plan(group, mode, HIDDEN, torch.bfloat16, max(TOKENS))
@@ -255,7 +255,7 @@ def creation_failing_on_the_last_rank(ctx, device) -> dict:
     memory): whether it was made, the agreed reason, then one op call on the group, its errors and
     what it ran."""
     import fxfuse
-    from fxfuse.op import cuda_dispatch
+    from fxfuse.op.runtime import cuda_dispatch
     from fxfuse.op.schema import allreduce_residual_rmsnorm
 
     group = dist.new_group(list(range(ctx.world_size)))
@@ -284,7 +284,7 @@ def world_size_checks(ctx) -> dict:
     os.environ.update(FXFUSE_TOPOLOGY="nvswitch", FXFUSE_PCIE_PROFILE="rootcplx")
     torch.cuda.set_device(ctx.rank % torch.cuda.device_count())
     import fxfuse
-    from fxfuse.op import cuda_dispatch
+    from fxfuse.op.runtime import cuda_dispatch
 
     device, bf16 = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
     features = installed_features()

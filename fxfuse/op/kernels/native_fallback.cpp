@@ -1,6 +1,6 @@
 // The fused op's NCCL fallback in C++: the per-call host work of `NcclPlan` without Python.
 //
-// Built and loaded by fxfuse/op/native_build.py; driven by fxfuse/op/native_fallback.py. Why it exists:
+// Built and loaded by fxfuse/op/kernels/native_build.py; driven by fxfuse/op/kernels/native_fallback.py. Why it exists:
 // outside CUDA graphs every fused site pays the op's host cost, and a Python kernel pays the
 // dispatcher's conversion into Python plus one Python-to-C++ crossing per tensor operation it issues;
 // the unfused code Inductor compiles issues the same all-reduce, wait and norm launch with less. Here
@@ -96,7 +96,7 @@ struct NormKeyHash {
   }
 };
 
-// What fxfuse/op/triton_launch.py:driver_launch vouched for: the kernel takes (reduced, residual,
+// What fxfuse/op/kernels/triton_launch.py:driver_launch vouched for: the kernel takes (reduced, residual,
 // weight, residual_out, normed pointers, int32 hidden, float32 eps) and at most two null scratch pointers.
 struct NormLaunch {
   void* function;

@@ -1,10 +1,10 @@
 """FlashInfer's PCIe IPC all-reduce (`flashinfer.comm.PcieIpcAllReduceWorkspace`, FlashInfer >= 0.7.2).
 
 The PCIe implementation of the fused op is this all-reduce followed by the fused add + RMSNorm kernel
-(`fxfuse.op.add_rmsnorm_kernel`). FlashInfer's rules for the workspace are strict, and this adapter
+(`fxfuse.op.kernels.add_rmsnorm_kernel`). FlashInfer's rules for the workspace are strict, and this adapter
 keeps them:
 - creation, launch-configuration resolution and destruction are collectives that every rank makes
-  with the same arguments in the same order (the registry in `fxfuse.op.workspace` agrees on
+  with the same arguments in the same order (the registry in `fxfuse.op.runtime.workspace` agrees on
   creation first);
 - the workspace is sized to the workload (`max_tokens * hidden` elements: its epoch halves sit
   world_size x that apart), and one workspace serves one hidden size and dtype;
@@ -15,7 +15,7 @@ keeps them:
   on a side stream), the new stream first waits for the old one's work, then the workspace is rebound,
   so the calls stay totally ordered, as FlashInfer requires.
 Tuned launch configurations are read from the tuning file at creation (`fxfuse tune pcie` writes it);
-all ranks must read the same file, which `fxfuse.op.group_config` checks.
+all ranks must read the same file, which `fxfuse.op.decide.group_config` checks.
 """
 
 from __future__ import annotations

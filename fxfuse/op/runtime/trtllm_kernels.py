@@ -6,7 +6,7 @@ never the unified API (its backend "auto" may pick "mnnvl", NVLink multicast, wh
 must not run on shared machines).
 
 The workspace is built here, in the layout FlashInfer's `trtllm_create_ipc_workspace_for_all_reduce_fusion`
-documents (0.6.3 to 0.7.x), from `fxfuse.op.cuda_ipc` shared buffers rather than by that function:
+documents (0.6.3 to 0.7.x), from `fxfuse.op.runtime.cuda_ipc` shared buffers rather than by that function:
 - FlashInfer 0.6.3 leaves the two-shot barrier flags uninitialised (stale flags in reused memory can
   let the first barrier pass early), never frees its 20-byte flag buffer nor unmaps its peers' buffers,
   and can leave peers waiting in a barrier when mapping fails on one rank;
@@ -28,9 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxfuse.op.agreement import LocalSteps, agreed_failure
-from fxfuse.op.cuda_ipc import SharedBuffer, close_shared_buffers, create_shared_buffers
-from fxfuse.op.policy import MAX_LAMPORT_COMM_BYTES
+from fxfuse.op.decide.agreement import LocalSteps, agreed_failure
+from fxfuse.op.decide.policy import MAX_LAMPORT_COMM_BYTES
+from fxfuse.op.runtime.cuda_ipc import SharedBuffer, close_shared_buffers, create_shared_buffers
 
 
 #: Barrier flags per rank in the kernel's two-shot protocol (FlashInfer's BarrierFlagCount).

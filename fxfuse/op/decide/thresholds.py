@@ -7,7 +7,7 @@ unfused (fallback) above 512. An entry's `topology` (`nvswitch`, `nvlink`, `pcie
 optional; without it (`any`) the entry applies to every topology of that GPU, and an entry for the
 group's own topology wins over an `any` entry.
 
-`load_thresholds()` reads fxfuse/op/default_thresholds.json, then an override file (its `path`
+`load_thresholds()` reads fxfuse/op/decide/default_thresholds.json, then an override file (its `path`
 argument, else the file named by the FXFUSE_THRESHOLDS environment variable), whose entries
 replace default entries with the same key. Entries are written by
 `fxfuse bench kernel --write-thresholds`. Every rank must see the same files, since the table
@@ -26,8 +26,8 @@ from typing import Any, Mapping
 
 import torch
 
-from fxfuse.op.environment import env_setting
-from fxfuse.op.modes import FusionMode
+from fxfuse.op.decide.environment import env_setting
+from fxfuse.op.decide.modes import FusionMode
 
 ENV_THRESHOLDS = "FXFUSE_THRESHOLDS"
 DEFAULT_PATH = Path(__file__).with_name("default_thresholds.json")

@@ -26,10 +26,10 @@ comes with CUDA builds of torch); the kernel also runs under Triton's CPU interp
 
 Host cost: the first CUDA launch of each (device, hidden, residual or not, dtypes) goes through
 Triton's JIT, which compiles and returns the compiled kernel; later launches of that key call the
-compiled kernel's launcher directly (`fxfuse.op.triton_launch`), skipping the JIT's per-call argument
+compiled kernel's launcher directly (`fxfuse.op.kernels.triton_launch`), skipping the JIT's per-call argument
 binding and cache lookup, as Inductor does for its own kernels. That is valid because everything the
 JIT specializes on is in the key or checked per call (16-byte aligned pointers). The compiled
-kernel is also registered with the op's C++ fallback (`fxfuse.op.native_fallback`), which then
+kernel is also registered with the op's C++ fallback (`fxfuse.op.kernels.native_fallback`), which then
 launches it itself.
 """
 
@@ -39,9 +39,9 @@ import functools
 
 import torch
 
-from fxfuse.op.native_fallback import offer_norm_kernel
+from fxfuse.op.kernels.native_fallback import offer_norm_kernel
+from fxfuse.op.kernels.triton_launch import DirectLaunch, launch_hooks_installed
 from fxfuse.op.reference import add_rmsnorm
-from fxfuse.op.triton_launch import DirectLaunch, launch_hooks_installed
 
 #: Widest row one program holds (elements); wider rows are not supported by this kernel.
 MAX_HIDDEN = 65536

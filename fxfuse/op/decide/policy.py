@@ -29,11 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
-from fxfuse.op.flashinfer_version import FlashInferFeatures
-from fxfuse.op.modes import FusionMode
-from fxfuse.op.settings import FusionSettings
-from fxfuse.op.thresholds import ThresholdEntry
-from fxfuse.op.topology import Topology
+from fxfuse.op.decide.flashinfer_version import FlashInferFeatures
+from fxfuse.op.decide.modes import FusionMode
+from fxfuse.op.decide.settings import FusionSettings
+from fxfuse.op.decide.thresholds import ThresholdEntry
+from fxfuse.op.decide.topology import Topology
 
 #: World sizes the TensorRT-LLM fusion kernel is instantiated for.
 TRTLLM_WORLD_SIZES = (2, 4, 8, 16)

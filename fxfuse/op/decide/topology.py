@@ -10,7 +10,7 @@ over NVLink), `NONE` (some pair has no peer access, ranks on different hosts, or
 host (NVML where it is installed, else the CUDA runtime's peer-access query to the visible GPUs);
 `combine_views(views)` is the conservative answer all ranks take from everyone's view (the worst link
 between any two ranks' GPUs decides). The exchange itself happens once per group,
-outside CUDA-graph capture, in `fxfuse.op.group_config`. `FXFUSE_TOPOLOGY` overrides the detection
+outside CUDA-graph capture, in `fxfuse.op.decide.group_config`. `FXFUSE_TOPOLOGY` overrides the detection
 (same value on every rank).
 """
 

@@ -2,7 +2,7 @@
 
 `agreed_config(group, device)` runs once per process group (the op's first call on it, or
 `fxfuse.prepare`), on CPU and CUDA alike, outside CUDA-graph capture. Each rank reads its facts as
-local steps that never raise (`fxfuse.op.agreement.LocalSteps`): its FXFUSE_* settings, the thresholds
+local steps that never raise (`fxfuse.op.decide.agreement.LocalSteps`): its FXFUSE_* settings, the thresholds
 table, the FlashInfer version, on CUDA its GPU model and arch, the PCIe tuning file's checksum and its
 view of the GPU links. One `all_gather_object` then gives every rank every report, and every rank
 derives the same outcome:
@@ -32,11 +32,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from fxfuse.op.agreement import ConfigMismatch, LocalSteps, exchange, mismatches
-from fxfuse.op.flashinfer_version import FlashInferFeatures, installed_features
-from fxfuse.op.settings import FusionSettings, current_settings
-from fxfuse.op.thresholds import ThresholdTable, current_thresholds
-from fxfuse.op.topology import LocalView, Topology, combine_views, normalize_uuid, probe_local_view
+from fxfuse.op.decide.agreement import ConfigMismatch, LocalSteps, exchange, mismatches
+from fxfuse.op.decide.flashinfer_version import FlashInferFeatures, installed_features
+from fxfuse.op.decide.settings import FusionSettings, current_settings
+from fxfuse.op.decide.thresholds import ThresholdTable, current_thresholds
+from fxfuse.op.decide.topology import LocalView, Topology, combine_views, normalize_uuid, probe_local_view
 
 #: Fields of `LocalReport` that must be identical on every rank.
 MUST_MATCH = ("gpu", "sm", "flashinfer_version", "settings", "thresholds_digest", "pcie_tune_digest")

@@ -5,7 +5,7 @@ Outside CUDA graphs every call of the fused op costs host time, and the NCCL fal
 dispatcher's conversion into a Python kernel, the plan lookup, and a Python-to-C++ crossing for each
 tensor operation. `fxfuse.op.schema.install_native_fallback()` (called by `fxfuse.prepare` and by
 the backend when it compiles a graph with fused sites on CUDA) builds `native_fallback.cpp`
-(`fxfuse.op.native_build`) and makes its kernel the public overloads' CUDA kernel; this module holds
+(`fxfuse.op.kernels.native_build`) and makes its kernel the public overloads' CUDA kernel; this module holds
 what the C++ path is told and counts:
 - shapes Python decided to run as the NCCL fallback (`register_shape`, called by
   `cuda_dispatch` when it makes an `NcclPlan`) run in C++: the all-reduce, wait, allocations and
@@ -24,7 +24,7 @@ import collections
 
 import torch
 
-from fxfuse.op.triton_launch import driver_launch, launch_hooks_installed
+from fxfuse.op.kernels.triton_launch import driver_launch, launch_hooks_installed
 
 #: Reason of each shape registered with the C++ path, by its counter's index.
 _REASONS: dict[int, str] = {}
@@ -60,7 +60,7 @@ def register_shape(group_name: str, tokens: int, hidden: int, dtype, weight_dtyp
 
 
 def offer_norm_kernel(key: tuple, compiled, parameter_types: list[str]) -> None:
-    """A newly compiled add-RMSNorm kernel (`fxfuse.op.add_rmsnorm_kernel`'s `key`: device, hidden,
+    """A newly compiled add-RMSNorm kernel (`fxfuse.op.kernels.add_rmsnorm_kernel`'s `key`: device, hidden,
     has residual, the five tensors' dtypes, weight offset, weight in float32): the C++ path launches it
     itself from now on (or from its installation on) if it is the plain norm (weight in the dtype, no
     offset, x's dtype throughout: what the C++ path allocates and runs), and its launch is the plain

@@ -11,7 +11,7 @@ as anything the op could run.
 
 Everything that depends on the machine or the user (the FXFUSE_* settings, the installed FlashInfer,
 the GPU arch, the topology) is decided when the op first runs, by all ranks together
-(`fxfuse.op.group_config`): ranks that differ get the same error, and a site where no fused kernel
+(`fxfuse.op.decide.group_config`): ranks that differ get the same error, and a site where no fused kernel
 runs gets the op's fallback (NCCL + the fused add-RMSNorm kernel), measured no slower than what
 Inductor compiles for the unfused chain (`fxfuse bench fallback`).
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from fxfuse.op.policy import PCIE_WORLD_SIZES, SUPPORTED_DTYPES, TRTLLM_WORLD_SIZES
+from fxfuse.op.decide.policy import PCIE_WORLD_SIZES, SUPPORTED_DTYPES, TRTLLM_WORLD_SIZES
 
 #: World sizes some fused all-reduce kernel runs.
 FUSED_WORLD_SIZES = tuple(sorted(set(TRTLLM_WORLD_SIZES) | set(PCIE_WORLD_SIZES)))

@@ -1,7 +1,7 @@
 """Residual add + RMSNorm + FP8 quantization in one Triton kernel, with the op's rounding order.
 
 `add_rmsnorm_fp8_into(reduced, residual, weight, eps, recipe, static_scale, residual_out, normed,
-quantized, scales)` computes, per row, what `fxfuse.op.add_rmsnorm_kernel.add_rmsnorm_into` does
+quantized, scales)` computes, per row, what `fxfuse.op.kernels.add_rmsnorm_kernel.add_rmsnorm_into` does
 (`residual_out = reduced + residual` in the dtype; `normed = weight * (h * rsqrt(mean(h**2) + eps)).to(dtype)`
 with `h` in float32), writes `normed` only when given (something else reads it), then quantizes
 `normed` to e4m3 as `fxfuse.op.fp8_recipe.quantize_fp8` does: per group of the recipe's size, per row,
@@ -18,7 +18,7 @@ TensorRT-LLM kernel).
 
 One program per row of up to `MAX_HIDDEN` elements; wider rows get the reference arithmetic in torch
 operations (never wrong, never after a failure). Compiled kernels are launched directly after their
-first JIT call (`fxfuse.op.triton_launch.DirectLaunch`), as the plain norm kernel is. Runs under
+first JIT call (`fxfuse.op.kernels.triton_launch.DirectLaunch`), as the plain norm kernel is. Runs under
 Triton's CPU interpreter in tests (whose float8 casts misround when rounding carries into the
 exponent: codes are compared on the GPU).
 """
@@ -29,10 +29,10 @@ import functools
 
 import torch
 
-from fxfuse.op.add_rmsnorm_kernel import MAX_HIDDEN, POINTER_ALIGNMENT, next_power_of_2, num_warps_for
 from fxfuse.op.fp8_recipe import FP8_MAX, Fp8Recipe, cast_saturates, quantize_fp8, rounded_to
+from fxfuse.op.kernels.add_rmsnorm_kernel import MAX_HIDDEN, POINTER_ALIGNMENT, next_power_of_2, num_warps_for
+from fxfuse.op.kernels.triton_launch import DirectLaunch, launch_hooks_installed
 from fxfuse.op.reference import add_rmsnorm
-from fxfuse.op.triton_launch import DirectLaunch, launch_hooks_installed
 
 #: `Fp8Recipe.scaling` -> the kernel's SCALING constant.
 SCALING_CODES = {"per_group": 0, "per_row": 1, "static_mul": 2, "static_div": 3}
@@ -46,7 +46,7 @@ _DIRECT: dict[tuple, DirectLaunch] = {}
 
 @functools.cache
 def _kernel():
-    from fxfuse.op.add_rmsnorm_fp8_triton import add_rmsnorm_fp8_rows
+    from fxfuse.op.kernels.add_rmsnorm_fp8_triton import add_rmsnorm_fp8_rows
 
     return add_rmsnorm_fp8_rows
 

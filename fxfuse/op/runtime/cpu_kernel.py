@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fxfuse.op.group_config import agreed_config
+from fxfuse.op.decide.group_config import agreed_config
 from fxfuse.op.reference import add_rmsnorm, check_arguments, resolve_group, writable_in_place
 
 

@@ -8,7 +8,7 @@ PCIe all-reduce's). The rules, which every rank follows identically:
   2. Creation is agreed in two rounds, each one exchange of (failed step, request): first every rank
      loads the kernels (FlashInfer import and JIT) and checks that the memory is free, as local steps
      that never raise; then every rank creates its part (a collective whose own steps are agreed too,
-     see `fxfuse.op.cuda_ipc`). If any rank fails either round, or the ranks asked for different
+     see `fxfuse.op.runtime.cuda_ipc`). If any rank fails either round, or the ranks asked for different
      workspaces, every rank marks the key failed with the same reason (naming the rank and the step),
      logs once and falls back for good, so no rank is left waiting in a collective the others skipped.
   3. A workspace that a captured CUDA graph may use is never freed behind the graph's back: asking
@@ -37,8 +37,8 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from fxfuse.op.agreement import LocalSteps, agreed_failure
-from fxfuse.op.trtllm_kernels import trtllm_layout
+from fxfuse.op.decide.agreement import LocalSteps, agreed_failure
+from fxfuse.op.runtime.trtllm_kernels import trtllm_layout
 
 logger = logging.getLogger(__name__)
 

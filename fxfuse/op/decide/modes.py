@@ -1,8 +1,8 @@
 """How one fused-op call runs: the implementations the decision table chooses among, which the
 thresholds table also records.
 
-Its own module so that the pure decision (`fxfuse.op.policy`) and the thresholds table
-(`fxfuse.op.thresholds`) can both name the modes without importing each other.
+Its own module so that the pure decision (`fxfuse.op.decide.policy`) and the thresholds table
+(`fxfuse.op.decide.thresholds`) can both name the modes without importing each other.
 """
 
 from __future__ import annotations

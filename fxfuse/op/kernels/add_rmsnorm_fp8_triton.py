@@ -1,4 +1,4 @@
-"""The Triton kernel behind `fxfuse.op.add_rmsnorm_fp8_kernel` (imported on its first launch, so that
+"""The Triton kernel behind `fxfuse.op.kernels.add_rmsnorm_fp8_kernel` (imported on its first launch, so that
 importing the op needs no Triton): residual add + RMSNorm + the FP8 quantization of an
 `fxfuse.op.fp8_recipe.Fp8Recipe`, one program per row, and the helpers it calls."""
 
@@ -71,7 +71,7 @@ def add_rmsnorm_fp8_rows(
     mask = cols < hidden
     offsets = row * hidden + cols
     if NORMALIZE:
-        # The cache hints of fxfuse.op.add_rmsnorm_kernel (rows read once, the weight by every program,
+        # The cache hints of fxfuse.op.kernels.add_rmsnorm_kernel (rows read once, the weight by every program,
         # the residual streamed past L2).
         reduced = tl.load(reduced_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_first")
         summed = reduced

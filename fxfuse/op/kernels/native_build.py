@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from fxfuse.op.environment import env_setting
+from fxfuse.op.decide.environment import env_setting
 
 SOURCE = Path(__file__).with_name("native_fallback.cpp")
 BUILD_TIMEOUT_S = 600

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fxfuse.op.agreement import LocalSteps, agreed_failure
-from fxfuse.op.cuda_dispatch import (
+from fxfuse.op.decide.agreement import LocalSteps, agreed_failure
+from fxfuse.op.runtime.cuda_dispatch import (
     PCIE,
     TRTLLM,
     CallPlan,
@@ -31,9 +31,9 @@ from fxfuse.op.cuda_dispatch import (
     problem_for,
     reset_fusion_stats,
 )
+from fxfuse.op.decide.modes import FusionMode
+from fxfuse.op.decide.policy import FusionDecision, decide
 from fxfuse.op.reference import resolve_group
-from fxfuse.op.modes import FusionMode
-from fxfuse.op.policy import FusionDecision, decide
 from fxfuse.op.schema import install_native_fallback
 
 __all__ = ["destroy_workspaces", "forced_plan", "fusion_stats", "prepare", "reset_fusion_stats"]
@@ -48,7 +48,7 @@ def prepare(
     Collective: every rank of `group` (None: the world group) calls it with the same arguments,
     outside CUDA-graph capture and before capturing graphs that contain the op. `max_tokens` (default
     $FXFUSE_MAX_TOKENS or 512) bounds the workspaces; larger calls run NCCL + the fused norm. Raises
-    `fxfuse.op.agreement.ConfigMismatch` on every rank if the ranks' settings, thresholds, tuning
+    `fxfuse.op.decide.agreement.ConfigMismatch` on every rank if the ranks' settings, thresholds, tuning
     files, FlashInfer versions or GPU models differ. Calling it again with more tokens makes new
     workspaces and keeps the old ones alive for graphs captured with them.
     """

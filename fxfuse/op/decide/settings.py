@@ -1,6 +1,6 @@
 """The user's settings for the fused op, read from the environment once per process.
 
-Every rank of a group must use the same settings: `fxfuse.op.group_config` exchanges them once per
+Every rank of a group must use the same settings: `fxfuse.op.decide.group_config` exchanges them once per
 group, outside CUDA-graph capture, and raises the same error on every rank when they differ.
 
 Environment variables (an empty value counts as unset):
@@ -23,9 +23,9 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
-from fxfuse.op.environment import env_setting
-from fxfuse.op.modes import FusionMode
-from fxfuse.op.topology import Topology
+from fxfuse.op.decide.environment import env_setting
+from fxfuse.op.decide.modes import FusionMode
+from fxfuse.op.decide.topology import Topology
 
 #: Workspace size (tokens) when a workspace is created implicitly on first call.
 DEFAULT_MAX_TOKENS = 512
@@ -89,7 +89,7 @@ def what_fused_sites_run(settings: FusionSettings) -> str:
 
 def settings_from_env(environ: Mapping[str, str]) -> FusionSettings:
     """Settings from the FXFUSE_* variables (see the module docstring); an empty one counts as unset
-    (`fxfuse.op.environment.env_setting`).
+    (`fxfuse.op.decide.environment.env_setting`).
 
     Raises ValueError naming the variable when a value is not understood.
     """

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from fxfuse.op.agreement import LocalSteps, all_ranks_agree, describe_failures, gather_objects
+from fxfuse.op.decide.agreement import LocalSteps, all_ranks_agree, describe_failures, gather_objects
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The CUDA kernel of `fxfuse::allreduce_residual_rmsnorm`: pick an implementation once per shape, then run it.
 
 The first call for a (group, tokens, hidden, dtypes) builds a `CallPlan` from the decision table
-(`fxfuse.op.policy.decide`) over values every rank agrees on (`fxfuse.op.group_config`); later
+(`fxfuse.op.decide.policy.decide`) over values every rank agrees on (`fxfuse.op.decide.group_config`); later
 calls with that key only look the plan up and run it, so the host cost per call is a dict lookup
 plus the kernels' own launches. The plans:
 - `TrtllmPlan`: FlashInfer's TensorRT-LLM kernel, one-shot or two-shot (one launch);
@@ -10,7 +10,7 @@ plus the kernels' own launches. The plans:
   fused add-RMSNorm kernel. When the caller donated `x` (the op's `donate_x` overloads, which the
   backend emits where Inductor can prove `x` is dead), the all-reduce runs in x's memory unless the
   residual or weight shares it; otherwise on a copy. Where the C++ fallback is installed
-  (`fxfuse.op.native_fallback`), the shape is registered with it and its later calls run the same
+  (`fxfuse.op.kernels.native_fallback`), the shape is registered with it and its later calls run the same
   steps in C++, never reaching Python.
 A new plan is made outside CUDA-graph capture by agreement: each rank compiles the plan's norm kernel
 as a local step, then one exchange carries every rank's outcome and plan, so a failed compile or a
@@ -32,25 +32,25 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from fxfuse.op.add_rmsnorm_fp8_kernel import add_rmsnorm_fp8_into, quantize_fp8_into
-from fxfuse.op.add_rmsnorm_kernel import add_rmsnorm_into
-from fxfuse.op.agreement import LocalSteps, RankStepFailed, agreed_failure
+from fxfuse.op.decide.agreement import LocalSteps, RankStepFailed, agreed_failure
+from fxfuse.op.decide.group_config import GroupConfig, agreed_config, forget_group, when_group_forgotten
+from fxfuse.op.decide.modes import FusionMode
+from fxfuse.op.decide.policy import FusionDecision, FusionProblem, decide, trtllm_token_cap
+from fxfuse.op.decide.topology import Topology
 from fxfuse.op.fp8_recipe import FP8_DTYPE, FP8_MAX, Fp8Recipe, check_fp8_arguments, scale_shape
-from fxfuse.op.group_config import GroupConfig, agreed_config, forget_group, when_group_forgotten
-from fxfuse.op.modes import FusionMode
-from fxfuse.op.native_fallback import calls_by_reason, forget_shapes, native_installed, register_shape, reset_counts
-from fxfuse.op.pcie_kernels import PcieAllReduceKernels, pcie_workspace_bytes
-from fxfuse.op.policy import FusionDecision, FusionProblem, decide, trtllm_token_cap
+from fxfuse.op.kernels.add_rmsnorm_fp8_kernel import add_rmsnorm_fp8_into, quantize_fp8_into
+from fxfuse.op.kernels.add_rmsnorm_kernel import add_rmsnorm_into
+from fxfuse.op.kernels.native_fallback import calls_by_reason, forget_shapes, native_installed, register_shape, reset_counts
 from fxfuse.op.reference import check_arguments, resolve_group, writable_in_place
-from fxfuse.op.topology import Topology
-from fxfuse.op.trtllm_kernels import TrtllmFusionKernels
-from fxfuse.op.workspace import FusionWorkspace, WorkspaceRegistry, workspace_bytes
+from fxfuse.op.runtime.pcie_kernels import PcieAllReduceKernels, pcie_workspace_bytes
+from fxfuse.op.runtime.trtllm_kernels import TrtllmFusionKernels
+from fxfuse.op.runtime.workspace import FusionWorkspace, WorkspaceRegistry, workspace_bytes
 
 ALL_REDUCE_ = torch.ops._c10d_functional.all_reduce_.default
 WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 KERNEL_ALIGNMENT = 16
 
-#: This process's TensorRT-LLM and PCIe workspaces (see fxfuse/op/workspace.py for their lifecycle).
+#: This process's TensorRT-LLM and PCIe workspaces (see fxfuse/op/runtime/workspace.py for their lifecycle).
 TRTLLM = WorkspaceRegistry("TensorRT-LLM", TrtllmFusionKernels, workspace_bytes)
 PCIE = WorkspaceRegistry("PCIe", PcieAllReduceKernels, pcie_workspace_bytes)
 

@@ -1,0 +1,7 @@
+"""Running the fused op: the CPU kernel, the CUDA dispatch and its plans, workspaces, the public API.
+
+`cpu_kernel` is the CPU path; `cuda_dispatch` picks and caches a plan per call shape and runs it
+(FlashInfer's kernels through `trtllm_kernels` / `pcie_kernels`, or NCCL, then `fxfuse.op.kernels`);
+`workspace` owns the workspaces (`cuda_ipc`: device buffers shared over CUDA IPC) and `prepare` is the
+public lifecycle API (`fxfuse.prepare`, `fxfuse.destroy_workspaces`).
+"""
