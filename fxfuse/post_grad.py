@@ -40,7 +40,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 import fxfuse.op
 import fxfuse.passes
 import fxfuse.rewrite
-from fxfuse.op.schema import install_native_fallback
+from fxfuse.op.runtime.registration import install_native_fallback
 from fxfuse.passes import donate_allreduce_input
 from fxfuse.passes.config import PATTERNS, PassConfig
 from fxfuse.rewrite.recorder import FusionRecorder

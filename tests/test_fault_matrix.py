@@ -233,6 +233,7 @@ def test_a_bad_setting_on_one_rank_is_the_same_error_on_every_rank(tmp_path):
 
 def _cpu_kernel_on_rank(ctx, bad_env: dict[str, str]) -> tuple[str, str]:
     """The CPU reference kernel's first call with `bad_env` on the last rank only."""
+    import fxfuse.op.runtime.registration  # noqa: F401 - the op's CPU kernel
     from fxfuse.op.schema import allreduce_residual_rmsnorm
 
     group = dist.new_group(list(range(ctx.world_size)))
@@ -263,7 +264,7 @@ def _native_build_fails_on_last_rank(ctx, native_cache: str) -> dict:
     from fxfuse.op.kernels import native_build
     from fxfuse.op.kernels.native_fallback import calls_by_reason
     from fxfuse.op.runtime import cuda_dispatch
-    from fxfuse.op.schema import install_native_fallback
+    from fxfuse.op.runtime.registration import install_native_fallback
 
     os.environ["FXFUSE_NATIVE_CACHE"] = native_cache
     bad = ctx.rank == ctx.world_size - 1

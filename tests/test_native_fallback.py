@@ -43,7 +43,7 @@ def _native_on_rank(ctx):
     """Python decides each shape once (an NCCL plan, registered with C++), then C++ runs its calls."""
     from fxfuse.op.kernels.native_fallback import calls_by_reason
     from fxfuse.op.runtime import cuda_dispatch
-    from fxfuse.op.schema import install_native_fallback
+    from fxfuse.op.runtime.registration import install_native_fallback
 
     name = use_nccl_plans(ctx)
     out = {"installed": install_native_fallback(), "cases": []}
@@ -119,7 +119,7 @@ def _install_report(env: dict) -> list[str]:
         "import logging, torch\n"
         "logging.basicConfig(level=logging.WARNING)\n"
         "from fxfuse.op.kernels.native_fallback import native_installed\n"
-        "from fxfuse.op.schema import install_native_fallback\n"
+        "from fxfuse.op.runtime.registration import install_native_fallback\n"
         "print(install_native_fallback(), native_installed())\n"
         "lines = [l for o in %r for l in torch._C._dispatch_dump('fxfuse::' + o).splitlines() if l.startswith('CUDA:')]\n"
         "print(sorted({l.split('registered at ')[1].split(':')[0].rsplit('/', 1)[-1] for l in lines}))\n"
@@ -137,7 +137,7 @@ def _install_report(env: dict) -> list[str]:
 ], ids=["disabled", "no_compiler", "build_fails"])
 def test_without_the_library_the_python_cuda_kernel_stays(tmp_path, env, warning):
     installed, sources, stderr = _install_report({"FXFUSE_NATIVE_CACHE": str(tmp_path), **env})
-    assert installed == "False False" and sources == "['schema.py']"
+    assert installed == "False False" and sources == "['registration.py']"
     assert (warning in stderr) if warning else "unavailable" not in stderr
 
 

@@ -208,7 +208,8 @@ def test_cuda_dispatch_nccl_plan_matches_the_reference_and_caches_its_plan():
 def test_cpu_paths_never_import_flashinfer():
     """Importing the op, its CUDA kernel module and the backend loads no FlashInfer code."""
     code = (
-        "import sys, fxfuse.op.schema, fxfuse.op.runtime.cuda_dispatch, fxfuse.op.runtime.prepare, fxfuse.backend\n"
+        "import sys, fxfuse.op.schema, fxfuse.op.runtime.registration, fxfuse.op.runtime.cuda_dispatch, fxfuse.op.runtime.prepare, "
+        "fxfuse.backend\n"
         "loaded = [m for m in sys.modules if m.startswith('flashinfer')]\n"
         "assert not loaded, loaded\n"
     )

@@ -133,7 +133,7 @@ def _reuse_in_cpp_on_rank(ctx, store: str, native_cache: str):
     os.environ["FXFUSE_FUSION"] = "off"
     from fxfuse.op.kernels.native_fallback import calls_by_reason
     from fxfuse.op.runtime import cuda_dispatch
-    from fxfuse.op.schema import install_native_fallback
+    from fxfuse.op.runtime.registration import install_native_fallback
 
     assert install_native_fallback()
     old = dist.new_group([0, 1])
@@ -271,7 +271,7 @@ def _cpp_refuses_on_rank(ctx, native_cache: str):
     os.environ["FXFUSE_NATIVE_CACHE"] = native_cache
     from nccl_plan_helpers import use_nccl_plans
 
-    import fxfuse.op.schema  # noqa: F401 - defines the ops the C++ path calls back into
+    import fxfuse.op.runtime.registration  # noqa: F401 - defines the ops the C++ path calls back into
     from fxfuse.op.kernels.native_build import load_native_library
     from fxfuse.op.runtime import cuda_dispatch
 

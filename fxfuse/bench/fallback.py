@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 def fused_op_names() -> list[str]:
     """The fused op's overload packets by name (`fxfuse.allreduce_residual_rmsnorm`, and
     `fxfuse.allreduce_residual_rmsnorm_fp8` once the op has that variant)."""
-    import fxfuse.op.schema  # noqa: F401 - registers torch.ops.fxfuse
+    import fxfuse.op.runtime.registration  # noqa: F401 - gives torch.ops.fxfuse its kernels
 
     packets = (torch.ops.fxfuse.allreduce_residual_rmsnorm, getattr(torch.ops.fxfuse, FP8_OP.split(".")[1], None))
     return [str(packet) for packet in packets if packet is not None]

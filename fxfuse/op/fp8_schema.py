@@ -17,20 +17,18 @@ the bf16 activations); otherwise it is an empty tensor, never written. The fusio
 all-reduce, the add, the norm and the quantization run as one op (one kernel after the all-reduce).
 
 Overloads as for the plain op: `tensor_eps` (eps a 0-dim CPU tensor), and the donating twins
-`donate_x` / `donate_x_tensor_eps` (x may be all-reduced in place). The CPU kernel is the reference
-(`fxfuse.op.runtime.cpu_kernel` then `fxfuse.op.fp8_recipe.quantize_fp8`); the CUDA kernel is
+`donate_x` / `donate_x_tensor_eps` (x may be all-reduced in place). Importing this module defines them
+and their fake kernels; `fxfuse.op.runtime.registration` registers the kernels that run them: on CPU
+the reference (`fxfuse.op.runtime.cpu_kernel` then `fxfuse.op.fp8_recipe.quantize_fp8`), on CUDA
 `fxfuse.op.runtime.cuda_dispatch.allreduce_residual_rmsnorm_fp8_cuda`. Outputs never alias inputs.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from fxfuse.op.fp8_recipe import FP8_DTYPE, FP8_MAX, Fp8Recipe, check_fp8_arguments, quantize_fp8, scale_shape
+from fxfuse.op.fp8_recipe import FP8_DTYPE, FP8_MAX, Fp8Recipe, check_fp8_arguments, scale_shape
 from fxfuse.op.reference import NORM_ARGUMENTS, check_arguments
-from fxfuse.op.runtime.cpu_kernel import allreduce_residual_rmsnorm_cpu
 
 FP8_OP_NAME = "fxfuse::allreduce_residual_rmsnorm_fp8"
 _RESULTS = "(Tensor quantized, Tensor scales, Tensor residual_out, Tensor normed)"
@@ -51,14 +49,14 @@ _LATER_ARGUMENTS = (("scaling", None), ("group_size", None), ("min_amax", None),
                     ("saturate", True))
 
 
-def _qualified(overload: str) -> str:
+def fp8_overload_name(overload: str) -> str:
     """'allreduce_residual_rmsnorm_fp8[.overload]' (no namespace)."""
     name = FP8_OP_NAME.removeprefix("fxfuse::")
     return name if overload == "default" else f"{name}.{overload}"
 
 
 for _overload, _arguments in FP8_OVERLOADS.items():
-    torch.library.define(f"fxfuse::{_qualified(_overload)}", f"{_arguments} -> {_RESULTS}")
+    torch.library.define(f"fxfuse::{fp8_overload_name(_overload)}", f"{_arguments} -> {_RESULTS}")
 
 
 def recipe_arguments(recipe: Fp8Recipe) -> dict:
@@ -84,7 +82,8 @@ def recipe_of(node_args: tuple, node_kwargs: dict) -> Fp8Recipe:
     return Fp8Recipe(*(argument(node_args, node_kwargs, name) for name in fields))
 
 
-def _recipe(scaling, group_size, min_amax, scale_dtype, min_scale, power_of_two, reciprocal, saturate) -> Fp8Recipe:
+def recipe_from_arguments(scaling, group_size, min_amax, scale_dtype, min_scale, power_of_two, reciprocal, saturate) -> Fp8Recipe:
+    """The recipe the op's recipe arguments describe (as its kernels receive them)."""
     return Fp8Recipe(scaling, group_size, min_amax, scale_dtype, min_scale, power_of_two, reciprocal, saturate)
 
 
@@ -93,22 +92,12 @@ def scale_divisor_value(scale_divisor: torch.Tensor | None) -> float:
     return FP8_MAX if scale_divisor is None else float(scale_divisor)
 
 
-def _cpu_fp8_kernel(x, residual, weight, eps, group_name, recipe: Fp8Recipe, static_scale, return_normed, weight_offset,
-                    weight_in_fp32, scale_divisor, x_donated: bool):
-    """Reference: the plain op's CPU kernel, then `quantize_fp8` of its normed output."""
-    check_fp8_arguments(x.shape, recipe, static_scale, x.device)
-    normed, residual_out = allreduce_residual_rmsnorm_cpu(x, residual, weight, eps, group_name, x_donated, weight_offset,
-                                                          weight_in_fp32)
-    quantized, scales = quantize_fp8(normed, recipe, static_scale, scale_divisor_value(scale_divisor))
-    return quantized, scales, residual_out, normed if return_normed else normed.new_empty(0)
-
-
 def _fake_fp8_kernel(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale,
                      return_normed, weight_offset=0.0, weight_in_fp32=False, scale_divisor=None, min_scale=0.0,
                      power_of_two="none", reciprocal=False, saturate=True):
     """Shapes only (works with SymInts); the arguments are checked as the real kernels check them."""
     check_arguments(x, residual, weight, weight_in_fp32)
-    recipe = _recipe(scaling, group_size, min_amax, scale_dtype, min_scale, power_of_two, reciprocal, saturate)
+    recipe = recipe_from_arguments(scaling, group_size, min_amax, scale_dtype, min_scale, power_of_two, reciprocal, saturate)
     check_fp8_arguments(x.shape, recipe, static_scale, x.device)
     contiguous = torch.contiguous_format
     return (torch.empty_like(x, dtype=FP8_DTYPE, memory_format=contiguous),
@@ -117,45 +106,8 @@ def _fake_fp8_kernel(x, residual, weight, eps, group_name, scaling, group_size, 
             torch.empty_like(x, memory_format=contiguous) if return_normed else x.new_empty(0))
 
 
-@functools.cache
-def _cuda_dispatch():
-    """`fxfuse.op.runtime.cuda_dispatch`, imported on the first CUDA call."""
-    from fxfuse.op.runtime import cuda_dispatch
-
-    return cuda_dispatch
-
-
-#: Kernel registrations, held so they live as long as the module.
-_KERNELS = torch.library.Library("fxfuse", "IMPL")
-
-
-def _register(overload: str) -> None:
-    donated = overload.startswith("donate_x")
-
-    def cpu(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale, return_normed,
-            weight_offset=0.0, weight_in_fp32=False, scale_divisor=None, min_scale=0.0, power_of_two="none",
-            reciprocal=False, saturate=True):
-        recipe = _recipe(scaling, group_size, min_amax, scale_dtype, min_scale, power_of_two, reciprocal, saturate)
-        return _cpu_fp8_kernel(x, residual, weight, eps, group_name, recipe, static_scale, return_normed, weight_offset,
-                               weight_in_fp32, scale_divisor, donated)
-
-    def cuda(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale, return_normed,
-             weight_offset=0.0, weight_in_fp32=False, scale_divisor=None, min_scale=0.0, power_of_two="none",
-             reciprocal=False, saturate=True):
-        recipe = _recipe(scaling, group_size, min_amax, scale_dtype, min_scale, power_of_two, reciprocal, saturate)
-        return _cuda_dispatch().allreduce_residual_rmsnorm_fp8_cuda(
-            x, residual, weight, float(eps), group_name, recipe, static_scale, return_normed, donated, weight_offset,
-            weight_in_fp32, scale_divisor_value(scale_divisor))
-
-    cpu.__doc__ = f"CPU reference kernel of `{FP8_OP_NAME}.{overload}`."
-    cuda.__doc__ = f"CUDA kernel of `{FP8_OP_NAME}.{overload}`."
-    _KERNELS.impl(_qualified(overload), cpu, "CPU")
-    _KERNELS.impl(_qualified(overload), cuda, "CUDA")
-    torch.library.register_fake(f"fxfuse::{_qualified(overload)}", _fake_fp8_kernel)
-
-
 for _overload in FP8_OVERLOADS:
-    _register(_overload)
+    torch.library.register_fake(f"fxfuse::{fp8_overload_name(_overload)}", _fake_fp8_kernel)
 
 allreduce_residual_rmsnorm_fp8 = torch.ops.fxfuse.allreduce_residual_rmsnorm_fp8.default
 allreduce_residual_rmsnorm_fp8_tensor_eps = torch.ops.fxfuse.allreduce_residual_rmsnorm_fp8.tensor_eps

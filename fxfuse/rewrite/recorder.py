@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.fx
 from torch._dynamo.utils import counters
 
-from fxfuse.op.schema import install_native_fallback
+from fxfuse.op.runtime.registration import install_native_fallback
 from fxfuse.passes import allreduce_rmsnorm_fusion, fp8_epilogue, merge_allreduce
 from fxfuse.passes.config import PATTERNS, PassConfig
 from fxfuse.rewrite.graph_diff import snapshot

@@ -3,7 +3,7 @@
 Outside CUDA graphs every call of the fused op costs host time, and the NCCL fallback in Python
 (`cuda_dispatch.NcclPlan`) costs more than the unfused all-reduce + norm Inductor compiles: the
 dispatcher's conversion into a Python kernel, the plan lookup, and a Python-to-C++ crossing for each
-tensor operation. `fxfuse.op.schema.install_native_fallback()` (called by `fxfuse.prepare` and by
+tensor operation. `fxfuse.op.runtime.registration.install_native_fallback()` (called by `fxfuse.prepare` and by
 the backend when it compiles a graph with fused sites on CUDA) builds `native_fallback.cpp`
 (`fxfuse.op.kernels.native_build`) and makes its kernel the public overloads' CUDA kernel; this module holds
 what the C++ path is told and counts:
@@ -40,7 +40,7 @@ def native_installed() -> bool:
 
 
 def installation_decided() -> bool:
-    """Whether this process already tried to install the C++ kernel (`fxfuse.op.schema.install_native_fallback`)."""
+    """Whether this process already tried to install the C++ kernel (`fxfuse.op.runtime.registration.install_native_fallback`)."""
     return bool(_INSTALLED)
 
 

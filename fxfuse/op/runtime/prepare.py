@@ -3,7 +3,7 @@
 `prepare(group, hidden_size, dtype, max_tokens)` is what a CUDA-graph user calls on every rank before
 capturing: the ranks agree on settings and topology, create the workspaces the decision table will
 pick for 1..max_tokens tokens, resolve launch configurations, compile the fused norm kernel and
-install the C++ fallback (`fxfuse.op.schema.install_native_fallback`), so
+install the C++ fallback (`fxfuse.op.runtime.registration.install_native_fallback`), so
 that nothing inside a capture needs a collective, an allocation or a compile. `destroy_workspaces`
 frees them (collective), refusing to free workspaces that captured graphs may still use unless told
 those graphs are gone. `forced_plan` builds one implementation's plan regardless of the table (for
@@ -34,7 +34,7 @@ from fxfuse.op.runtime.cuda_dispatch import (
 from fxfuse.op.decide.modes import FusionMode
 from fxfuse.op.decide.policy import FusionDecision, decide
 from fxfuse.op.reference import resolve_group
-from fxfuse.op.schema import install_native_fallback
+from fxfuse.op.runtime.registration import install_native_fallback
 
 __all__ = ["destroy_workspaces", "forced_plan", "fusion_stats", "prepare", "reset_fusion_stats"]
 
