@@ -89,7 +89,7 @@ def _injection(name: str, rank: int, bad: bool, tmp: str):
     """(patches, environment, kernel-library failures) of scenario `name` on this rank."""
     from fxfuse.op.decide import group_config
     from fxfuse.op.decide.flashinfer_version import features
-    from fxfuse.op.runtime import cuda_dispatch, workspace
+    from fxfuse.op.runtime import planning, workspace
 
     patches, env, fail = [], {}, {}
     if name in PLAN_STEP_FAULTS:  # every rank plans the NCCL fallback, whose norm kernel one rank fails to build
@@ -125,7 +125,7 @@ def _injection(name: str, rank: int, bad: bool, tmp: str):
     elif name == "too little free GPU memory":
         patches = [(workspace, "free_device_memory", lambda: 0)]
     elif name == "add-RMSNorm kernel build (Triton) fails":
-        patches = [(cuda_dispatch, "compile_norm_kernel", raising("ptxas fatal: out of disk space"))]
+        patches = [(planning, "compile_norm_kernel", raising("ptxas fatal: out of disk space"))]
         env = {"FXFUSE_FUSION": "off"}
     else:
         fail = {
@@ -144,6 +144,7 @@ def _fake_machine(rank: int, world_size: int, kernels) -> list:
     from fxfuse.op.decide.flashinfer_version import features
     from fxfuse.op.decide.topology import LocalView, Topology
     from fxfuse.op.runtime import cuda_dispatch
+    from fxfuse.op.runtime.workspace import TRTLLM
 
     uuids = [f"gpu-{r}" for r in range(world_size)]
     links = tuple((u, Topology.NVSWITCH) for u in uuids if u != uuids[rank])
@@ -152,7 +153,7 @@ def _fake_machine(rank: int, world_size: int, kernels) -> list:
         (group_config, "probe_local_view", lambda host, uuid, index: LocalView(host, uuid, links, "fake NVML")),
         (group_config, "installed_features", lambda: features("0.7.2")),
         (group_config, "pcie_tune_digest", lambda *a: ""),
-        (cuda_dispatch.TRTLLM, "_kernels", kernels),
+        (TRTLLM, "_kernels", kernels),
     ]
 
 

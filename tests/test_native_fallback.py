@@ -43,6 +43,7 @@ def _native_on_rank(ctx):
     """Python decides each shape once (an NCCL plan, registered with C++), then C++ runs its calls."""
     from fxfuse.op.kernels.native_fallback import calls_by_reason
     from fxfuse.op.runtime import cuda_dispatch
+    from fxfuse.op.runtime.plans import fusion_stats, reset_fusion_stats
     from fxfuse.op.runtime.registration import install_native_fallback
 
     name = use_nccl_plans(ctx)
@@ -69,12 +70,12 @@ def _native_on_rank(ctx):
                 aliases=[o.untyped_storage().data_ptr() == donated_x.untyped_storage().data_ptr() for o in donated]))
     out["plans"] = len(cuda_dispatch._PLANS)
     out["cpp_calls"] = sum(calls_by_reason().values())
-    out["stats"] = cuda_dispatch.fusion_stats()
+    out["stats"] = fusion_stats()
     cuda_dispatch.forget_plans(name)  # C++ forgets too: the next call goes to the Python kernel (CPU's: the reference)
     case = out["cases"][0]
     out["after_forget"] = run(case["x"], case["residual"], case["weight"], 1e-5, name, False)
     out["cpp_calls_after_forget"] = sum(calls_by_reason().values())
-    cuda_dispatch.reset_fusion_stats()
+    reset_fusion_stats()
     out["cpp_calls_after_reset"] = sum(calls_by_reason().values())
     return out
 

@@ -149,6 +149,7 @@ def test_donating_overloads_match_the_functional_op(group, with_residual):
 def _dispatch_on_rank(ctx):
     """On each rank: calls through fxfuse.op.runtime.cuda_dispatch with a group config that selects NCCL."""
     from fxfuse.op.runtime import cuda_dispatch
+    from fxfuse.op.runtime.plans import fusion_stats
 
     name = use_nccl_plans(ctx)
     built = []
@@ -173,7 +174,7 @@ def _dispatch_on_rank(ctx):
                                      padded_ptr_mod_16=padded.data_ptr() % 16,
                                      aliases=[o.untyped_storage().data_ptr() == donated_x.untyped_storage().data_ptr() for o in donated]))
     out["plans_built"] = len(built)
-    out["stats"] = cuda_dispatch.fusion_stats()
+    out["stats"] = fusion_stats()
     try:  # a known shape with a weight of the wrong width: refused, although the shape's plan exists
         cuda_dispatch.allreduce_residual_rmsnorm_cuda(x, residual, weight[:-1], 1e-5, name)
     except ValueError as error:

@@ -37,16 +37,17 @@ def _destroy_on_rank(ctx, captured_on: tuple[int, ...]):
     then destroy (refused), destroy with graphs_released (frees both)."""
     import fxfuse
     from fxfuse.op.runtime import cuda_dispatch
+    from fxfuse.op.runtime.workspace import PCIE
 
     group = dist.new_group(list(range(ctx.world_size)))
     kernels = FakeTrtllmKernels(ctx.rank)
     pcie_kernels = FakeTrtllmKernels(ctx.rank)
     out = {}
-    with patched(*_fake_machine(ctx.rank, ctx.world_size, kernels), (cuda_dispatch.PCIE, "_kernels", pcie_kernels)):
+    with patched(*_fake_machine(ctx.rank, ctx.world_size, kernels), (PCIE, "_kernels", pcie_kernels)):
         _first_call(group, ctx.rank)
         pcie = pcie_kernels.create_workspace(group, ctx.rank, ctx.world_size, 4, HIDDEN, torch.float16)
         key = (group.group_name, HIDDEN, torch.float16)
-        cuda_dispatch.PCIE._ready[key] = FusionWorkspace(key, 4, pcie, captured=ctx.rank in captured_on)
+        PCIE._ready[key] = FusionWorkspace(key, 4, pcie, captured=ctx.rank in captured_on)
         try:
             fxfuse.destroy_workspaces(group)
             out["refused"] = None
@@ -78,7 +79,9 @@ def test_destroy_refuses_on_every_rank_frees_nothing_and_drops_plans(captured_on
 def _reuse_on_rank(ctx, store: str):
     """Group "1" spans both ranks and gets a TensorRT-LLM plan; every group is destroyed; the re-created
     "1" holds rank 0 alone. Rank 0's next call must see a one-rank group, not the old plan."""
+    from fxfuse.op.decide.group_config import config_of
     from fxfuse.op.runtime import cuda_dispatch
+    from fxfuse.op.runtime.workspace import TRTLLM
 
     out = {}
     kernels = FakeTrtllmKernels(ctx.rank)
@@ -92,9 +95,9 @@ def _reuse_on_rank(ctx, store: str):
             normed, residual_out = cuda_dispatch.allreduce_residual_rmsnorm_cuda(x, None, torch.ones(HIDDEN).half(), 1e-6,
                                                                                  new.group_name)
             plan = cuda_dispatch._PLANS[cuda_dispatch.plan_key(new.group_name, x, None, torch.ones(HIDDEN).half())]
-            out["new"] = (new.group_name, type(plan).__name__, plan.decision.reason, cuda_dispatch.group_config(new).world_size)
+            out["new"] = (new.group_name, type(plan).__name__, plan.decision.reason, config_of(new).world_size)
             out["values"] = (x, normed, residual_out)
-            out["old_workspace_retired"] = old_workspace in [w.handle for w in cuda_dispatch.TRTLLM.retired()]
+            out["old_workspace_retired"] = old_workspace in [w.handle for w in TRTLLM.retired()]
     return out
 
 

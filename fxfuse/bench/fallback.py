@@ -173,7 +173,7 @@ def bench_rank(ctx, options: dict) -> dict:
     """Compile, check and time every (hidden, quantization, mode, tokens) point, within the time budget."""
     import fxfuse
     from fxfuse.op.kernels.native_fallback import native_installed
-    from fxfuse.op.runtime.cuda_dispatch import fusion_stats
+    from fxfuse.op.runtime.plans import fusion_stats
 
     started = time.monotonic()
     device = torch.device("cuda", torch.cuda.current_device())

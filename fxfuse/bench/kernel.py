@@ -128,8 +128,8 @@ def _write_thresholds(report: dict, path: Path) -> None:
 
 def bench_rank(ctx, config: BenchConfig) -> dict | None:
     """One rank's part: measure every (hidden, tokens, variant); rank 0 returns the report."""
+    from fxfuse.op.decide.group_config import config_of
     from fxfuse.op.runtime import prepare as op_prepare
-    from fxfuse.op.runtime.cuda_dispatch import group_config
 
     share_gpus = "gloo" in str(dist.get_backend(ctx.group))
     if share_gpus:
@@ -145,7 +145,7 @@ def bench_rank(ctx, config: BenchConfig) -> dict | None:
     op_prepare.destroy_workspaces(ctx.group, graphs_released=True)  # every timing graph was deleted
     if ctx.rank != 0:
         return None
-    topology = group_config(ctx.group).topology.value
+    topology = config_of(ctx.group).topology.value
     return _report(config, ctx.world_size, share_gpus, rows, op_prepare.fusion_stats(), topology)
 
 

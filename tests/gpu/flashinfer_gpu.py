@@ -87,7 +87,7 @@ def rel_errs(out, ref) -> tuple[float, float]:
 
 def fused_calls() -> dict:
     """{mode: calls} of the fused op's fused implementations so far in this process."""
-    from fxfuse.op.runtime.cuda_dispatch import fusion_stats
+    from fxfuse.op.runtime.plans import fusion_stats
 
     counts: dict = {}
     for (_, mode, _, _), n in fusion_stats()["fused"].items():

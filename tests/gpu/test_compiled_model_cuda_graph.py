@@ -100,6 +100,8 @@ def capture_and_compare(ctx, case: str, inner: str, path: str) -> dict:
     from fxfuse.models.deepseek_v3 import DeepseekV3ForCausalLM
     from fxfuse.models.random_weights import init_random_shards
     from fxfuse.op.runtime import cuda_dispatch
+    from fxfuse.op.runtime.plans import PLAIN_NORM, fusion_stats, reset_fusion_stats
+    from fxfuse.op.runtime.workspace import PCIE, TRTLLM
     from fxfuse.runner.cuda_graph_step import CudaGraphStep
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -110,7 +112,7 @@ def capture_and_compare(ctx, case: str, inner: str, path: str) -> dict:
     report: dict = {"layers": config.num_hidden_layers}
     report["ready"] = fxfuse.prepare(ctx.group, config.hidden_size, torch.bfloat16, max_tokens=BATCH * WIDTH)
     if not report["ready"]:
-        registry = cuda_dispatch.TRTLLM if path == "trtllm" else cuda_dispatch.PCIE
+        registry = TRTLLM if path == "trtllm" else PCIE
         report["failure"] = registry.failure(ctx.group.group_name, config.hidden_size, torch.bfloat16)
         return report
 
@@ -119,7 +121,7 @@ def capture_and_compare(ctx, case: str, inner: str, path: str) -> dict:
 
     def spy(x, residual, weight, eps, group_name, x_donated=False, *norm):
         out = entry(x, residual, weight, eps, group_name, x_donated, *norm)
-        key = cuda_dispatch.plan_key(group_name, x, residual, weight, tuple(norm) or cuda_dispatch.PLAIN_NORM)
+        key = cuda_dispatch.plan_key(group_name, x, residual, weight, tuple(norm) or PLAIN_NORM)
         calls.append({"capturing": torch.cuda.is_current_stream_capturing(), "residual": residual is not None,
                       "tokens": key[1], "plan": type(cuda_dispatch._PLANS[key]).__name__})
         return out
@@ -139,11 +141,11 @@ def capture_and_compare(ctx, case: str, inner: str, path: str) -> dict:
             report["unfused"] = "\n".join(unfused_sites(record.after) for record in backend.records).strip()
             if report["unfused"]:
                 return report
-            cuda_dispatch.reset_fusion_stats()
+            reset_fusion_stats()
             calls.clear()
             graph_step = CudaGraphStep(compiled, BATCH, (WIDTH,), device)  # 2 warm-up calls + the capture
             report["capture_calls"] = [c for c in calls if c["capturing"]]
-            report["stats"] = cuda_dispatch.fusion_stats()
+            report["stats"] = fusion_stats()
 
             prompt = torch.randint(config.vocab_size, (BATCH, PROMPT_LEN), generator=generator)
             decoder(prompt.to(device), torch.arange(PROMPT_LEN, device=device).repeat(BATCH, 1))  # eager prefill

@@ -43,8 +43,10 @@ def fused_checks(ctx) -> dict:
     from fxfuse.op.decide.modes import FusionMode
     from fxfuse.op.runtime import cuda_dispatch
     from fxfuse.op.runtime.cuda_ipc import cuda_runtime
+    from fxfuse.op.runtime.plans import fusion_stats
     from fxfuse.op.runtime.prepare import forced_plan
     from fxfuse.op.runtime.trtllm_kernels import trtllm_layout
+    from fxfuse.op.runtime.workspace import TRTLLM
     from fxfuse.op.schema import allreduce_residual_rmsnorm
 
     device, group_name = torch.device("cuda", torch.cuda.current_device()), ctx.group.group_name
@@ -58,9 +60,9 @@ def fused_checks(ctx) -> dict:
         runtime.free(pointer)
 
     report: dict = {"ready": fxfuse.prepare(ctx.group, HIDDEN, torch.bfloat16, max_tokens=max(TOKENS))}
-    workspace = cuda_dispatch.TRTLLM.lookup(group_name, HIDDEN, torch.bfloat16)
+    workspace = TRTLLM.lookup(group_name, HIDDEN, torch.bfloat16)
     if not report["ready"] or workspace is None:
-        report["failure"] = cuda_dispatch.TRTLLM.failure(group_name, HIDDEN, torch.bfloat16)
+        report["failure"] = TRTLLM.failure(group_name, HIDDEN, torch.bfloat16)
         return report
     report["flags_zero"] = _flag_bytes_are_zero(workspace)
     report["layout_bytes"] = trtllm_layout(2, max(TOKENS), HIDDEN).total_bytes
@@ -103,9 +105,9 @@ def fused_checks(ctx) -> dict:
         captured = op(x, residual, weight)
     report["captured_flag"] = workspace.captured
     report["grown"] = fxfuse.prepare(ctx.group, HIDDEN, torch.bfloat16, max_tokens=256)
-    bigger = cuda_dispatch.TRTLLM.lookup(group_name, HIDDEN, torch.bfloat16)
+    bigger = TRTLLM.lookup(group_name, HIDDEN, torch.bfloat16)
     report["grown_is_new"] = bigger is not workspace and bigger.max_tokens == 256
-    report["old_retired"] = workspace in cuda_dispatch.TRTLLM.retired()
+    report["old_retired"] = workspace in TRTLLM.retired()
     errors = []
     for seed in (4, 5):
         fresh_x, fresh_xs, fresh_residual, _ = inputs(ctx.rank, ctx.world_size, 32, seed, device, HIDDEN)
@@ -124,8 +126,8 @@ def fused_checks(ctx) -> dict:
         report["destroy_refused"] = "graphs_released=True" in str(exc)
     del graph, captured
     fxfuse.destroy_workspaces(ctx.group, graphs_released=True)
-    report["destroyed"] = cuda_dispatch.TRTLLM.lookup(group_name, HIDDEN, torch.bfloat16) is None and not cuda_dispatch.TRTLLM.retired()
-    report["stats"] = cuda_dispatch.fusion_stats()
+    report["destroyed"] = TRTLLM.lookup(group_name, HIDDEN, torch.bfloat16) is None and not TRTLLM.retired()
+    report["stats"] = fusion_stats()
     return report
 
 
@@ -187,14 +189,16 @@ def one_rank_fails_creation(ctx) -> dict:
         torch.cuda.mem_get_info = lambda *a: (0, total)
     import fxfuse
     from fxfuse.op.runtime import cuda_dispatch
+    from fxfuse.op.runtime.plans import fusion_stats
+    from fxfuse.op.runtime.workspace import TRTLLM
     from fxfuse.op.schema import allreduce_residual_rmsnorm
 
     device = torch.device("cuda", torch.cuda.current_device())
     ready = fxfuse.prepare(ctx.group, HIDDEN, torch.bfloat16, max_tokens=64)
     x, xs, residual, weight = inputs(ctx.rank, ctx.world_size, 16, 7, device, HIDDEN)
     out = allreduce_residual_rmsnorm(x, residual, weight, EPS, ctx.group.group_name)
-    return {"ready": ready, "failure": cuda_dispatch.TRTLLM.failure(ctx.group.group_name, HIDDEN, torch.bfloat16),
-            "errors": rel_errs(out, reference(xs, residual, weight)), "stats": cuda_dispatch.fusion_stats()}
+    return {"ready": ready, "failure": TRTLLM.failure(ctx.group.group_name, HIDDEN, torch.bfloat16),
+            "errors": rel_errs(out, reference(xs, residual, weight)), "stats": fusion_stats()}
 
 
 def test_creation_failing_on_one_rank_falls_back_on_every_rank():

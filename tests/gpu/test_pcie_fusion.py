@@ -30,13 +30,15 @@ def pcie_checks(ctx) -> dict:
     torch.cuda.set_device(ctx.rank % torch.cuda.device_count())
     import fxfuse
     from fxfuse.op.runtime import cuda_dispatch
+    from fxfuse.op.runtime.plans import fusion_stats
+    from fxfuse.op.runtime.workspace import PCIE
     from fxfuse.op.schema import allreduce_residual_rmsnorm
 
     device, name = torch.device("cuda", torch.cuda.current_device()), ctx.group.group_name
     report: dict = {"eager": {}, "graph": {}}
     for hidden in (7168, 4096):
         ready = fxfuse.prepare(ctx.group, hidden, torch.bfloat16, max_tokens=max(TOKENS))
-        report[f"ready_{hidden}"] = (ready, cuda_dispatch.PCIE.failure(name, hidden, torch.bfloat16))
+        report[f"ready_{hidden}"] = (ready, PCIE.failure(name, hidden, torch.bfloat16))
         if not ready:
             continue
         for tokens in TOKENS:
@@ -72,7 +74,7 @@ def pcie_checks(ctx) -> dict:
     torch.cuda.synchronize()
     report["streams"] = [rel_errs(out, reference(xs, residual, weight)) for out in (on_side, on_main)]
     report["plans"] = sorted({type(p).__name__ for p in cuda_dispatch._PLANS.values()})
-    report["stats"] = cuda_dispatch.fusion_stats()
+    report["stats"] = fusion_stats()
     fxfuse.destroy_workspaces(ctx.group, graphs_released=True)
     return report
 

@@ -174,12 +174,11 @@ def variant_case(plan, variant: str) -> Case:
 def pcie_topology_group(ctx):
     """A second group of the same ranks whose agreed config says PCIe (what FXFUSE_TOPOLOGY=pcie would
     give; the settings are read once per process and the world group keeps NVSwitch)."""
-    from fxfuse.op.decide.group_config import install_config
+    from fxfuse.op.decide.group_config import config_of, install_config
     from fxfuse.op.decide.topology import Topology
-    from fxfuse.op.runtime.cuda_dispatch import group_config
 
     group = dist.new_group(list(range(ctx.world_size)))
-    install_config(group, replace(group_config(group), topology=Topology.PCIE, topology_reason="the test's PCIe group"))
+    install_config(group, replace(config_of(group), topology=Topology.PCIE, topology_reason="the test's PCIe group"))
     return group
 
 
@@ -256,6 +255,8 @@ def creation_failing_on_the_last_rank(ctx, device) -> dict:
     what it ran."""
     import fxfuse
     from fxfuse.op.runtime import cuda_dispatch
+    from fxfuse.op.runtime.plans import fusion_stats
+    from fxfuse.op.runtime.workspace import TRTLLM
     from fxfuse.op.schema import allreduce_residual_rmsnorm
 
     group = dist.new_group(list(range(ctx.world_size)))
@@ -268,10 +269,10 @@ def creation_failing_on_the_last_rank(ctx, device) -> dict:
     finally:
         torch.cuda.mem_get_info = free_memory
     x, xs, residual, weight = inputs(ctx.rank, ctx.world_size, 16, 7, device, HIDDEN)
-    before = cuda_dispatch.fusion_stats()
+    before = fusion_stats()
     out = allreduce_residual_rmsnorm(x, residual, weight, EPS, group.group_name)
-    after = cuda_dispatch.fusion_stats()
-    return {"ready": ready, "failure": cuda_dispatch.TRTLLM.failure(group.group_name, HIDDEN, torch.bfloat16),
+    after = fusion_stats()
+    return {"ready": ready, "failure": TRTLLM.failure(group.group_name, HIDDEN, torch.bfloat16),
             "errors": rel_errs(out, reference(xs, residual, weight)),
             "fused": {key: n for key, n in after["fused"].items() if key[0] == group.group_name},
             "fallback_calls": sum(after["fallback"].values()) - sum(before["fallback"].values())}
@@ -285,18 +286,19 @@ def world_size_checks(ctx) -> dict:
     torch.cuda.set_device(ctx.rank % torch.cuda.device_count())
     import fxfuse
     from fxfuse.op.runtime import cuda_dispatch
+    from fxfuse.op.runtime.workspace import PCIE, TRTLLM
 
     device, bf16 = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
     features = installed_features()
     report: dict = {"entered": entered, "pcie": None}
     started = time.monotonic()
     report["ready"] = fxfuse.prepare(ctx.group, HIDDEN, bf16, max_tokens=max(TOKENS))
-    report["failure"] = cuda_dispatch.TRTLLM.failure(ctx.group.group_name, HIDDEN, bf16)
+    report["failure"] = TRTLLM.failure(ctx.group.group_name, HIDDEN, bf16)
     pcie_group = pcie_topology_group(ctx) if features.pcie else None
     if pcie_group is not None:
         ready = fxfuse.prepare(pcie_group, HIDDEN, bf16, max_tokens=max(TOKENS))
-        workspace = cuda_dispatch.PCIE.lookup(pcie_group.group_name, HIDDEN, bf16)
-        report["pcie"] = {"ready": ready, "failure": cuda_dispatch.PCIE.failure(pcie_group.group_name, HIDDEN, bf16),
+        workspace = PCIE.lookup(pcie_group.group_name, HIDDEN, bf16)
+        report["pcie"] = {"ready": ready, "failure": PCIE.failure(pcie_group.group_name, HIDDEN, bf16),
                           "schedule": {t: launch_config(workspace, t) for t in TOKENS} if workspace else {}}
     report["prepare_s"] = time.monotonic() - started
     if not report["ready"] or (pcie_group is not None and not report["pcie"]["ready"]):

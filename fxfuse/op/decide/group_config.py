@@ -206,6 +206,13 @@ def agreed_config(group: dist.ProcessGroup, device: torch.device) -> GroupConfig
     return config
 
 
+def config_of(group: dist.ProcessGroup) -> GroupConfig:
+    """`group`'s agreed config on this rank's current CUDA device (the CPU without CUDA), exchanged on its
+    first use (collective, outside capture)."""
+    return agreed_config(group, torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                         else torch.device("cpu"))
+
+
 def install_config(group: dist.ProcessGroup, config: GroupConfig) -> None:
     """Use `config` for `group` without an exchange (tests that drive the CUDA path on CPU tensors)."""
     _AGREED[group.group_name] = (group, config)

@@ -1,14 +1,14 @@
 """The fused op's C++ fallback, Python side: what it is told (shapes, compiled norm kernels) and counts.
 
 Outside CUDA graphs every call of the fused op costs host time, and the NCCL fallback in Python
-(`cuda_dispatch.NcclPlan`) costs more than the unfused all-reduce + norm Inductor compiles: the
+(`fxfuse.op.runtime.plans.NcclPlan`) costs more than the unfused all-reduce + norm Inductor compiles: the
 dispatcher's conversion into a Python kernel, the plan lookup, and a Python-to-C++ crossing for each
 tensor operation. `fxfuse.op.runtime.registration.install_native_fallback()` (called by `fxfuse.prepare` and by
 the backend when it compiles a graph with fused sites on CUDA) builds `native_fallback.cpp`
 (`fxfuse.op.kernels.native_build`) and makes its kernel the public overloads' CUDA kernel; this module holds
 what the C++ path is told and counts:
 - shapes Python decided to run as the NCCL fallback (`register_shape`, called by
-  `cuda_dispatch` when it makes an `NcclPlan`) run in C++: the all-reduce, wait, allocations and
+  `fxfuse.op.runtime.cuda_dispatch` when it makes an `NcclPlan`) run in C++: the all-reduce, wait, allocations and
   alignment copies, then the Triton add-RMSNorm kernel, launched from C++ once its compiled kernel
   is registered (`offer_norm_kernel`, called when the kernel is first compiled), else through
   `fxfuse::add_rmsnorm_into`;

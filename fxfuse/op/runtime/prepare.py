@@ -16,25 +16,16 @@ import torch
 import torch.distributed as dist
 
 from fxfuse.op.decide.agreement import LocalSteps, agreed_failure
-from fxfuse.op.runtime.cuda_dispatch import (
-    PCIE,
-    TRTLLM,
-    CallPlan,
-    NcclPlan,
-    PciePlan,
-    TrtllmPlan,
-    compile_norm_kernel,
-    ensure_workspace,
-    forget_plans,
-    fusion_stats,
-    group_config,
-    problem_for,
-    reset_fusion_stats,
-)
+from fxfuse.op.decide.call_decision import problem_for, thresholds_entry
+from fxfuse.op.decide.group_config import config_of
 from fxfuse.op.decide.modes import FusionMode
 from fxfuse.op.decide.policy import FusionDecision, decide
 from fxfuse.op.reference import resolve_group
+from fxfuse.op.runtime.cuda_dispatch import forget_plans
+from fxfuse.op.runtime.planning import compile_norm_kernel, ensure_workspace, pcie_capacity, trtllm_capacity
+from fxfuse.op.runtime.plans import CallPlan, NcclPlan, PciePlan, TrtllmPlan, fusion_stats, reset_fusion_stats
 from fxfuse.op.runtime.registration import install_native_fallback
+from fxfuse.op.runtime.workspace import PCIE, TRTLLM
 
 __all__ = ["destroy_workspaces", "forced_plan", "fusion_stats", "prepare", "reset_fusion_stats"]
 
@@ -54,11 +45,12 @@ def prepare(
     """
     group = group if group is not None else dist.group.WORLD
     install_native_fallback()
-    config = group_config(group)
+    config = config_of(group)
     max_tokens = max_tokens or config.settings.max_tokens
-    entry = config.thresholds.lookup(config.gpu, config.world_size, hidden_size, dtype, config.topology.value)
+    entry = thresholds_entry(config, hidden_size, dtype)
+    capacities = trtllm_capacity(config, hidden_size, dtype, max_tokens), pcie_capacity(config, hidden_size, dtype, max_tokens)
     wanted = {
-        decide(problem_for(config, tokens, hidden_size, dtype, dtype, dtype, max_tokens), config.settings, entry).mode
+        decide(problem_for(config, tokens, hidden_size, dtype, dtype, dtype, *capacities), config.settings, entry).mode
         for tokens in range(1, max_tokens + 1)
     }
     kinds = {FusionMode.ONESHOT if m.trtllm else m for m in wanted if m is not FusionMode.FALLBACK}
@@ -101,7 +93,7 @@ def _destroy_group_workspaces(group: dist.ProcessGroup, graphs_released: bool) -
 def forced_plan(group: dist.ProcessGroup, mode: FusionMode, hidden_size: int, dtype: torch.dtype, max_tokens: int) -> CallPlan | None:
     """A plan that runs `mode` for every call it gets (creating its workspace collectively), or None
     if that implementation cannot run here. Call it with `(x, residual, weight, eps, x_donated)`."""
-    config = group_config(group)
+    config = config_of(group)
     decision = FusionDecision(mode, "forced by the caller")
     if mode is FusionMode.FALLBACK:
         return NcclPlan(group, decision)

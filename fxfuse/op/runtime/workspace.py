@@ -22,7 +22,8 @@ PCIe all-reduce's). The rules, which every rank follows identically:
      every stream that ran a call on them (and the current stream) finished its work within a bounded
      wait (a rank whose peer died mid-kernel would spin forever, and freeing would block behind it);
      if that work does not finish, it says so and leaves the rest to process teardown.
-The registry holds no tensor-parallel state beyond this cache, keyed by group name.
+The registry holds no tensor-parallel state beyond this cache, keyed by group name. `TRTLLM` and
+`PCIE` are this process's two registries.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from fxfuse.op.decide.agreement import LocalSteps, agreed_failure
-from fxfuse.op.runtime.trtllm_kernels import trtllm_layout
+from fxfuse.op.runtime.pcie_kernels import PcieAllReduceKernels, pcie_workspace_bytes
+from fxfuse.op.runtime.trtllm_kernels import TrtllmFusionKernels, trtllm_layout
 
 logger = logging.getLogger(__name__)
 
@@ -293,3 +295,8 @@ def _cuda_streams_idle(streams: set, timeout_s: float) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+#: This process's TensorRT-LLM and PCIe workspaces.
+TRTLLM = WorkspaceRegistry("TensorRT-LLM", TrtllmFusionKernels, workspace_bytes)
+PCIE = WorkspaceRegistry("PCIe", PcieAllReduceKernels, pcie_workspace_bytes)

@@ -1,0 +1,139 @@
+"""Making the plan for one call shape on CUDA: decide, then make what the decision needs, then agree.
+
+`decide_plan` asks `fxfuse.op.decide.call_decision` what runs the shape on its group, telling it how
+many tokens each workspace holds (or would hold, if made now); a fused decision then gets its workspace
+(`fxfuse.op.runtime.workspace`: created collectively, outside CUDA-graph capture), and a workspace that
+some rank could not make means deciding again without it, on every rank alike. `plan_call` then,
+outside capture, runs one agreement: each rank compiles the kernel the plan runs after its all-reduce
+as a local step, and one exchange carries every rank's outcome and plan, so a failed compile or a plan
+that differs between ranks raises the same `RankStepFailed` on every rank instead of leaving one rank
+in a collective the others skip.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fxfuse.op.decide.agreement import LocalSteps, RankStepFailed, agreed_failure
+from fxfuse.op.decide.call_decision import decide_call, problem_for
+from fxfuse.op.decide.group_config import GroupConfig, config_of
+from fxfuse.op.decide.modes import FusionMode
+from fxfuse.op.decide.policy import FusionDecision, trtllm_token_cap
+from fxfuse.op.fp8_recipe import Fp8Recipe
+from fxfuse.op.kernels.add_rmsnorm_kernel import add_rmsnorm_into
+from fxfuse.op.runtime.plans import PLAIN_NORM, CallPlan, Fp8Epilogue, NcclPlan, PciePlan, TrtllmPlan, residual_out_buffer
+from fxfuse.op.runtime.workspace import PCIE, TRTLLM
+
+
+def trtllm_capacity(config: GroupConfig, hidden: int, dtype: torch.dtype, wanted_tokens: int) -> int:
+    """Tokens the group's TensorRT-LLM workspace holds (existing), or would hold if created now; 0 if failed."""
+    existing = TRTLLM.lookup(config.group_name, hidden, dtype)
+    if existing is not None:
+        return existing.max_tokens
+    if TRTLLM.failure(config.group_name, hidden, dtype) is not None:
+        return 0
+    return min(wanted_tokens, trtllm_token_cap(config.world_size, hidden))
+
+
+def pcie_capacity(config: GroupConfig, hidden: int, dtype: torch.dtype, wanted_tokens: int) -> int:
+    """Tokens the group's PCIe workspace holds (existing), or would hold if created now; 0 if failed."""
+    existing = PCIE.lookup(config.group_name, hidden, dtype)
+    if existing is not None:
+        return existing.max_tokens
+    return 0 if PCIE.failure(config.group_name, hidden, dtype) is not None else wanted_tokens
+
+
+def workspace_failures(group_name: str, hidden: int, dtype: torch.dtype) -> list[str]:
+    """Why each of the group's workspaces for (hidden, dtype) that could not be made was not."""
+    return [f"the {registry.name} workspace could not be made: {failure}"
+            for registry in (TRTLLM, PCIE) if (failure := registry.failure(group_name, hidden, dtype))]
+
+
+def ensure_workspace(config: GroupConfig, group: dist.ProcessGroup, mode: FusionMode, hidden: int, dtype, max_tokens: int):
+    """The workspace `mode` needs for (hidden, dtype) with `max_tokens`, created collectively if absent."""
+    rank, world_size = dist.get_rank(group), config.world_size
+    if mode.trtllm:
+        tokens = min(max_tokens, trtllm_token_cap(world_size, hidden))
+        return TRTLLM.ensure(group, hidden, dtype, tokens, lambda k: k.create_workspace(group, rank, world_size, tokens, hidden, dtype))
+    settings = config.settings
+    return PCIE.ensure(
+        group, hidden, dtype, max_tokens,
+        lambda k: k.create_workspace(group, max_tokens, hidden, dtype, settings.pcie_profile, settings.pcie_tune_cache),
+    )
+
+
+def decide_plan(group: dist.ProcessGroup, tokens: int, hidden: int, dtype, weight_dtype, residual_dtype,
+                weight_offset: float = 0.0) -> CallPlan:
+    """Decide (and create the workspace for, outside capture) one call shape on this group."""
+    config = config_of(group)
+    wanted = config.settings.max_tokens
+    problem = problem_for(config, tokens, hidden, dtype, weight_dtype, residual_dtype,
+                          trtllm_capacity(config, hidden, dtype, wanted), pcie_capacity(config, hidden, dtype, wanted),
+                          weight_offset)
+    decision = decide_call(config, problem, workspace_failures(group.group_name, hidden, dtype))
+    if not decision.fused:
+        return NcclPlan(group, decision)
+    existing = (TRTLLM if decision.mode.trtllm else PCIE).lookup(group.group_name, hidden, dtype)
+    workspace = existing or ensure_workspace(config, group, decision.mode, hidden, dtype, wanted)
+    if workspace is None:  # creation failed on some rank, on all ranks alike: decide again without it
+        return decide_plan(group, tokens, hidden, dtype, weight_dtype, residual_dtype, weight_offset)
+    if decision.mode is FusionMode.PCIE and not PCIE.kernels.supports(workspace.handle, tokens):
+        return NcclPlan(group, FusionDecision(FusionMode.FALLBACK, f"the PCIe kernels do not run {tokens} tokens"))
+    return (PciePlan if decision.mode is FusionMode.PCIE else TrtllmPlan)(group, decision, workspace)
+
+
+def plan_call(group: dist.ProcessGroup, tokens: int, hidden: int, dtype, weight_dtype, residual_dtype,
+              weight_offset: float = 0.0, weight_in_fp32: bool = False, recipe: Fp8Recipe | None = None) -> CallPlan:
+    """`decide_plan`, then (outside capture) one exchange in which every rank reports whether it
+    compiled the kernel the plan runs after its all-reduce (for `recipe`: the FP8 one) and which plan
+    it made: raises `RankStepFailed` on every rank if any rank failed or planned differently."""
+    plan = decide_plan(group, tokens, hidden, dtype, weight_dtype, residual_dtype, weight_offset)
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return plan  # prepare() compiled the kernels; the plan is a function of agreed values only
+    norm = (weight_offset, weight_in_fp32)
+    steps = LocalSteps()
+    if recipe is not None:
+        steps.run("compiling the add-RMSNorm + FP8 kernel (Triton)", compile_fp8_kernel, hidden, dtype, weight_dtype,
+                  residual_dtype, norm, recipe, not isinstance(plan, TrtllmPlan))
+    elif not isinstance(plan, TrtllmPlan):  # the others run the add-RMSNorm kernel after their all-reduce
+        steps.run("compiling the add-RMSNorm kernel (Triton)", compile_norm_kernel, hidden, dtype, weight_dtype,
+                  residual_dtype, norm)
+    agreed = (type(plan).__name__, plan.decision.mode.value, tokens, hidden, str(dtype), str(weight_dtype), str(residual_dtype),
+              norm, recipe)
+    reason = agreed_failure(steps.failure, group, agreed)
+    if reason is not None:
+        raise RankStepFailed(f"planning the fused all-reduce + RMSNorm op for {tokens} tokens x hidden {hidden} failed "
+                             f"on every rank of process group {group.group_name!r} because of {reason}")
+    return plan
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _one_row(hidden: int, dtype, weight_dtype, residual_dtype) -> tuple:
+    """(row, residual or None, weight, residual_out) of one token, for a compiling call."""
+    row = torch.ones(1, hidden, dtype=dtype, device=_device())
+    residual = None if residual_dtype is None else torch.ones(1, hidden, dtype=residual_dtype, device=row.device)
+    return row, residual, torch.ones(hidden, dtype=weight_dtype, device=row.device), residual_out_buffer(row, residual).clone()
+
+
+def compile_norm_kernel(hidden: int, dtype: torch.dtype, weight_dtype: torch.dtype, residual_dtype,
+                        norm: tuple = PLAIN_NORM) -> None:
+    """Compile (once per key) the add-RMSNorm kernel for rows of `hidden` with these dtypes and `norm`
+    (weight offset, weight in float32), on a one-row call."""
+    row, residual, weight, residual_out = _one_row(hidden, dtype, weight_dtype, residual_dtype)
+    add_rmsnorm_into(row, residual, weight, 1e-6, residual_out, torch.empty_like(row), *norm)
+
+
+def compile_fp8_kernel(hidden: int, dtype: torch.dtype, weight_dtype, residual_dtype, norm: tuple, recipe: Fp8Recipe,
+                       normalize: bool) -> None:
+    """Compile (once per key) the add-RMSNorm + FP8 kernel (`normalize`) or its quantize-only form, on a one-row call."""
+    row, residual, weight, residual_out = _one_row(hidden, dtype, weight_dtype, residual_dtype)
+    static_scale = None if recipe.dynamic else torch.ones((), device=row.device)
+    epilogue = Fp8Epilogue(recipe, static_scale, False)
+    if normalize:
+        epilogue.run(row, residual, weight, 1e-6, residual_out, norm)
+    else:
+        epilogue.quantize(row)

@@ -1,0 +1,224 @@
+"""How each implementation of the fused op runs a call on CUDA: the plans, and the call counters.
+
+A plan is made once per call shape (`fxfuse.op.runtime.planning`) and called for every call of it:
+- `TrtllmPlan`: FlashInfer's TensorRT-LLM kernel, one-shot or two-shot (one launch);
+- `PciePlan`: FlashInfer's PCIe IPC all-reduce, then the fused add-RMSNorm kernel;
+- `NcclPlan`: the group's all-reduce (`_c10d_functional.all_reduce_`, as Inductor issues it), then the
+  fused add-RMSNorm kernel. When the caller donated `x` (the op's `donate_x` overloads, which the
+  backend emits where Inductor can prove `x` is dead), the all-reduce runs in x's memory unless the
+  residual or weight shares it; otherwise on a copy.
+Each has an `fp8` form for the FP8 variant, whose quantization (`Fp8Epilogue`) runs in the kernel after
+the all-reduce. Inputs that are not 16-byte aligned or contiguous are copied first: a copy is the same
+on every rank, where falling back on one rank only would hang the others. Calls are counted per plan
+(`fusion_stats`).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from fxfuse.op.decide.modes import FusionMode
+from fxfuse.op.decide.policy import FusionDecision
+from fxfuse.op.fp8_recipe import FP8_DTYPE, FP8_MAX, Fp8Recipe, scale_shape
+from fxfuse.op.kernels.add_rmsnorm_fp8_kernel import add_rmsnorm_fp8_into, quantize_fp8_into
+from fxfuse.op.kernels.add_rmsnorm_kernel import add_rmsnorm_into
+from fxfuse.op.kernels.native_fallback import calls_by_reason, reset_counts
+from fxfuse.op.reference import writable_in_place
+from fxfuse.op.runtime.workspace import PCIE, TRTLLM, FusionWorkspace
+
+ALL_REDUCE_ = torch.ops._c10d_functional.all_reduce_.default
+WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+KERNEL_ALIGNMENT = 16
+
+#: Calls by implementation: {(group, mode, hidden, dtype): n} for fused ones and {reason: n} for the
+#: rest. Counted when Python issues the call (eagerly, or once while a CUDA graph is captured; graph
+#: replays are not counted). Read with `fusion_stats()`.
+_FUSED_CALLS: collections.Counter = collections.Counter()
+_FALLBACK_CALLS: collections.Counter = collections.Counter()
+
+#: How the plain op applies its weight: (weight offset, weight in float32) = transformers' order.
+PLAIN_NORM = (0.0, False)
+
+
+def fusion_stats() -> dict[str, dict]:
+    """A snapshot of the call counters: {"fused": {(group, mode, hidden, dtype): n}, "fallback": {reason: n}}
+    (fallback calls the C++ path ran included)."""
+    return {"fused": dict(_FUSED_CALLS), "fallback": dict(_FALLBACK_CALLS + calls_by_reason())}
+
+
+def reset_fusion_stats() -> None:
+    """Zero the call counters."""
+    _FUSED_CALLS.clear()
+    _FALLBACK_CALLS.clear()
+    reset_counts()
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` if it is contiguous and 16-byte aligned, else a fresh contiguous copy (which is)."""
+    if t.is_contiguous() and t.data_ptr() % KERNEL_ALIGNMENT == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+@dataclass
+class CallPlan:
+    """How every call of one key runs; `decision` says which implementation and why."""
+
+    group: dist.ProcessGroup
+    decision: FusionDecision
+    #: The group's name, read once (the kernels pass it on every call).
+    group_name: str = field(init=False)
+    #: (counter, key) this plan's calls are counted under, made on the first call (a plan serves one
+    #: hidden size and dtype).
+    _tally: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.group_name = self.group.group_name
+
+    def count(self, hidden: int, dtype: torch.dtype) -> None:
+        """Count one call of this plan (see fusion_stats)."""
+        tally = self._tally
+        if tally is None:
+            if self.decision.fused:
+                tally = (_FUSED_CALLS, (self.group_name, self.decision.mode.value, hidden, str(dtype)))
+            else:
+                tally = (_FALLBACK_CALLS, self.decision.reason)
+            self._tally = tally
+        tally[0][tally[1]] += 1
+
+
+@dataclass(frozen=True)
+class Fp8Epilogue:
+    """The FP8 quantization a call of `allreduce_residual_rmsnorm_fp8` adds after the norm."""
+
+    recipe: Fp8Recipe
+    static_scale: torch.Tensor | None
+    return_normed: bool
+    divisor: float = FP8_MAX
+
+    def run(self, reduced, residual, weight, eps, residual_out, norm: tuple) -> tuple:
+        """The add, norm (`norm`: weight offset, weight in float32) and quantization of all-reduced
+        `reduced` in one kernel: (quantized, scales, residual_out, normed or an empty tensor)."""
+        quantized, scales, normed = self.outputs(reduced)
+        add_rmsnorm_fp8_into(reduced, None if residual is None else aligned(residual), aligned(weight), eps, self.recipe,
+                             self.static_scale, residual_out, normed if self.return_normed else None, quantized, scales, *norm,
+                             divisor=self.divisor)
+        return quantized, scales, residual_out, normed
+
+    def quantize(self, normed) -> tuple:
+        """(quantized, scales, normed or an empty tensor) of an already normed output."""
+        quantized, scales, _ = self.outputs(normed)
+        quantize_fp8_into(normed, self.recipe, self.static_scale, quantized, scales, self.divisor)
+        return quantized, scales, normed if self.return_normed else normed.new_empty(0)
+
+    def outputs(self, like: torch.Tensor) -> tuple:
+        """Fresh (quantized, scales, normed) buffers for rows shaped like `like` (normed empty unless returned)."""
+        return (torch.empty_like(like, dtype=FP8_DTYPE), like.new_empty(scale_shape(like.shape, self.recipe), dtype=torch.float32),
+                torch.empty_like(like) if self.return_normed else like.new_empty(0))
+
+
+@dataclass
+class NcclPlan(CallPlan):
+    """The group's all-reduce (in x's memory when donated), then the fused add-RMSNorm kernel (with the
+    FP8 quantization, for the FP8 variant).
+
+    Works on the tensors in their own shape (no reshapes or views: each costs microseconds of host
+    time per call, and this runs at every site of every uncaptured step)."""
+
+    def __call__(self, x, residual, weight, eps, x_donated, norm: tuple = PLAIN_NORM):
+        reduced, residual_out = self._all_reduce(x, residual, weight, x_donated)
+        normed = torch.empty_like(reduced)
+        add_rmsnorm_into(reduced, None if residual is None else aligned(residual), aligned(weight), eps, residual_out, normed,
+                         *norm)
+        self.count(x.shape[-1], x.dtype)
+        return normed, residual_out
+
+    def fp8(self, x, residual, weight, eps, x_donated, epilogue: Fp8Epilogue, norm: tuple = PLAIN_NORM):
+        reduced, residual_out = self._all_reduce(x, residual, weight, x_donated)
+        self.count(x.shape[-1], x.dtype)
+        return epilogue.run(reduced, residual, weight, eps, residual_out, norm)
+
+    def _all_reduce(self, x, residual, weight, x_donated):
+        """(the all-reduced x, the buffer residual_out goes to: a fresh one when x's own memory was reduced
+        or the residual has another dtype)."""
+        donated_in_place = writable_in_place(x, x_donated, residual, weight) and x.data_ptr() % KERNEL_ALIGNMENT == 0
+        reduced = x if donated_in_place else x.clone(memory_format=torch.contiguous_format)
+        ALL_REDUCE_(reduced, "sum", self.group_name)
+        WAIT_TENSOR(reduced)
+        if residual is not None and residual.dtype != reduced.dtype:
+            return reduced, torch.empty_like(reduced, dtype=residual.dtype)
+        return reduced, torch.empty_like(reduced) if donated_in_place else reduced
+
+
+@dataclass
+class TrtllmPlan(CallPlan):
+    """FlashInfer's TensorRT-LLM kernel: all-reduce, residual add and RMSNorm in one launch (the FP8
+    variant then quantizes its norm output in one more kernel: FlashInfer's own FP8 pattern multiplies
+    the norm by an approximate reciprocal of the scale, which rounds some values to another code than
+    the division the unfused code does)."""
+
+    workspace: FusionWorkspace | None = None
+
+    def __call__(self, x, residual, weight, eps, x_donated, norm: tuple = PLAIN_NORM):
+        hidden = x.shape[-1]
+        x2d = aligned(x.reshape(-1, hidden))
+        handle = self.workspace.handle
+        residual2d = handle.zero_residual_for(x2d.shape[0]) if residual is None else aligned(residual.reshape(-1, hidden))
+        normed, residual_out = torch.empty_like(x2d), torch.empty_like(x2d)
+        TRTLLM.note_use(self.workspace)
+        TRTLLM.kernels.allreduce_residual_rmsnorm(
+            handle, x2d, residual2d, aligned(weight), eps, normed, residual_out,
+            oneshot=self.decision.mode is FusionMode.ONESHOT, weight_offset=norm[0],
+        )
+        self.count(hidden, x.dtype)
+        return normed.view(x.shape), residual_out.view(x.shape)
+
+    def fp8(self, x, residual, weight, eps, x_donated, epilogue: Fp8Epilogue, norm: tuple = PLAIN_NORM):
+        normed, residual_out = self(x, residual, weight, eps, x_donated, norm)
+        quantized, scales, normed = epilogue.quantize(normed)
+        return quantized, scales, residual_out, normed
+
+
+@dataclass
+class PciePlan(CallPlan):
+    """FlashInfer's PCIe IPC all-reduce into a fresh buffer, then the fused add-RMSNorm kernel (with the
+    FP8 quantization, for the FP8 variant) in it."""
+
+    workspace: FusionWorkspace | None = None
+
+    def __call__(self, x, residual, weight, eps, x_donated, norm: tuple = PLAIN_NORM):
+        reduced, residual2d = self._all_reduce(x, residual)
+        normed, residual_out = torch.empty_like(reduced), residual_out_buffer(reduced, residual2d)
+        add_rmsnorm_into(reduced, residual2d, aligned(weight), eps, residual_out, normed, *norm)
+        self.count(x.shape[-1], x.dtype)
+        return normed.view(x.shape), residual_out.view(x.shape)
+
+    def fp8(self, x, residual, weight, eps, x_donated, epilogue: Fp8Epilogue, norm: tuple = PLAIN_NORM):
+        reduced, residual2d = self._all_reduce(x, residual)
+        self.count(x.shape[-1], x.dtype)
+        quantized, scales, residual_out, normed = epilogue.run(reduced, residual2d, weight, eps,
+                                                               residual_out_buffer(reduced, residual2d), norm)
+        shape = x.shape
+        return (quantized.view(shape), scales.view(*shape[:-1], -1) if scales.numel() else scales, residual_out.view(shape),
+                normed.view(shape) if normed.numel() else normed)
+
+    def _all_reduce(self, x, residual):
+        """(x all-reduced over the group into a fresh [tokens, hidden] buffer, the residual as [tokens, hidden])."""
+        hidden = x.shape[-1]
+        x2d = aligned(x.reshape(-1, hidden))
+        reduced = torch.empty_like(x2d)
+        PCIE.note_use(self.workspace)
+        PCIE.kernels.all_reduce(self.workspace.handle, x2d, reduced)
+        return reduced, None if residual is None else aligned(residual.reshape(-1, hidden))
+
+
+def residual_out_buffer(reduced: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """Where residual_out goes after an out-of-place all-reduce: the reduced buffer itself, or a fresh
+    one of the residual's dtype when that differs (a float32 residual stream)."""
+    if residual is not None and residual.dtype != reduced.dtype:
+        return torch.empty_like(reduced, dtype=residual.dtype)
+    return reduced
