@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 CHECK = """
 import importlib.util, json, sys
-import fxfuse, fxfuse.models.deepseek_v3, fxfuse.passes.allreduce_rmsnorm_fusion, fxfuse.op.decide.thresholds
+import fxfuse, fxfuse.models.deepseek_v3, fxfuse.passes.allreduce_rmsnorm_fusion, fxfuse.op.decide.thresholds, fxfuse.backend
 assert fxfuse.__file__.startswith(sys.argv[1]), fxfuse.__file__
 assert importlib.util.find_spec("models") is None and importlib.util.find_spec("passes") is None
 print(json.dumps({"ok": True}))
@@ -48,3 +48,17 @@ def test_entry_point_registers_the_backend(installed):
     text = entry_points.read_text()
     assert "[torch_dynamo_backends]" in text and "fxfuse = fxfuse.backend:fxfuse_backend" in text
     assert "[console_scripts]" in text and "fxfuse = fxfuse.cli:main" in text
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    """setuptools ships only the packages pyproject names: a new folder missing there imports in a checkout
+    (editable install) and fails in a wheel (fxfuse.rewrite was missing so, and `fxfuse.backend` with it)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {package: REPO / folder for package, folder in tool["package-dir"].items()}
+    found = set()
+    for package, folder in folders.items():
+        for init in folder.rglob("__init__.py"):
+            parts = init.parent.relative_to(folder).parts
+            found.add(".".join((package, *parts)))
+    assert found == set(tool["packages"])
