@@ -1,7 +1,9 @@
 """The package layout rules of docs/ARCHITECTURE.md, checked on the source: at most 8 modules directly
 in fxfuse/, no runner module in models/, no import loop among fxfuse's modules (imports inside
-functions included: a lazy import that closes a loop is still a loop to a reader), and lower layers
-never import higher ones (`FORBIDDEN`)."""
+functions included: a lazy import that closes a loop is still a loop to a reader), lower layers
+never import higher ones (`FORBIDDEN`), and inside fxfuse/op/ each part imports only the parts below
+it (`OP_PARTS`, `OP_MAY_IMPORT`). Relative imports and `importlib.import_module("fxfuse...")` calls
+with a literal name count as imports."""
 
 from __future__ import annotations
 
@@ -27,6 +29,23 @@ FORBIDDEN = {
     "fxfuse.backend": (*ABOVE_ENTRY_POINTS, "fxfuse.models"),
     "fxfuse.runner": ("fxfuse.bench", "fxfuse.cli"),
 }
+#: The parts of fxfuse.op, lowest first, by the modules (or sub-packages) each holds: the op's contract
+#: (its definition and reference arithmetic), the decision, fxfuse's own kernels, the runtime.
+OP_PARTS = {
+    "contract": ("fxfuse.op", "fxfuse.op.schema", "fxfuse.op.fp8_schema", "fxfuse.op.fp8_recipe", "fxfuse.op.reference"),
+    "decide": ("fxfuse.op.decide",),
+    "kernels": ("fxfuse.op.kernels",),
+    "runtime": ("fxfuse.op.runtime",),
+}
+#: Part -> the other parts (and single modules of them) its modules may import: nothing outside fxfuse.op,
+#: and no import back up. The kernels' one use of the decision: `native_build` reads FXFUSE_NATIVE and
+#: FXFUSE_NATIVE_CACHE with `env_setting`, the one reader of every FXFUSE_* variable.
+OP_MAY_IMPORT = {
+    "contract": (),
+    "decide": ("contract",),
+    "kernels": ("contract", "fxfuse.op.decide.environment"),
+    "runtime": ("contract", "decide", "kernels"),
+}
 
 
 def module_files() -> dict[str, Path]:
@@ -40,15 +59,25 @@ def module_files() -> dict[str, Path]:
     return modules
 
 
-def imported_modules(path: Path, known: set[str]) -> set[str]:
-    """The fxfuse modules `path` imports anywhere in its body (the longest known prefix of each import)."""
+def imported_modules(path: Path, known: set[str], module: str = "") -> set[str]:
+    """The fxfuse modules `path` (module `module`) imports anywhere in its body (the longest known prefix
+    of each import): import statements, relative ones resolved, and `importlib.import_module` /
+    `__import__` calls with a literal name."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         names = []
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str) and _names_an_import(node.func)):
+            names = [node.args[0].value]
         for name in names:
             while name and name not in known:
                 name = name.rpartition(".")[0]
@@ -57,14 +86,33 @@ def imported_modules(path: Path, known: set[str]) -> set[str]:
     return found
 
 
+def _names_an_import(func: ast.expr) -> bool:
+    """Whether a call's function is `importlib.import_module`, `import_module` or `__import__`."""
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+    return name in ("import_module", "__import__")
+
+
 def import_graph() -> dict[str, set[str]]:
     modules = module_files()
     known = set(modules)
     graph = {}
     for name, path in modules.items():
         parents = {name.rsplit(".", i)[0] for i in range(1, name.count(".") + 1)}
-        graph[name] = imported_modules(path, known) - {name} - parents  # a package's own __init__ is not a loop
+        graph[name] = imported_modules(path, known, name) - {name} - parents  # a package's own __init__ is not a loop
     return graph
+
+
+def within(name: str, prefixes) -> bool:
+    """Whether module `name` is one of `prefixes` or inside one of them."""
+    return any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes)
+
+
+def op_part(name: str) -> str | None:
+    """The part of fxfuse.op module `name` belongs to (`OP_PARTS`), None outside fxfuse.op."""
+    for part, members in OP_PARTS.items():
+        if name in members or within(name, [m for m in members if m != "fxfuse.op"]):
+            return part
+    return None
 
 
 def test_at_most_eight_modules_directly_in_fxfuse():
@@ -118,3 +166,26 @@ def test_lower_layers_never_import_higher_ones(layer):
         if any(dep == f or dep.startswith(f + ".") for f in FORBIDDEN[layer])
     }
     assert not bad, sorted(bad)
+
+
+def test_every_op_module_is_in_one_part():
+    """A new module directly in fxfuse/op/ is part of the op's contract only if listed there: anything
+    else goes in decide/, kernels/ or runtime/ (see each one's __init__ docstring)."""
+    op_modules = [name for name in module_files() if within(name, ["fxfuse.op"])]
+    assert {name: op_part(name) for name in op_modules if op_part(name) is None} == {}
+    assert all(part in OP_MAY_IMPORT for part in OP_PARTS)
+
+
+@pytest.mark.parametrize("part", sorted(OP_PARTS))
+def test_op_parts_import_only_the_parts_below_them(part):
+    """contract <- decide <- runtime, contract (+ decide.environment) <- kernels <- runtime: never back up,
+    and nothing of fxfuse outside fxfuse.op (passes, rewrite, backend, runner, bench, inspect, models)."""
+    allowed = (part, *OP_MAY_IMPORT[part])
+    bad = sorted(
+        (name, dep)
+        for name, deps in import_graph().items()
+        if op_part(name) == part
+        for dep in deps
+        if op_part(dep) not in allowed and dep not in allowed
+    )
+    assert not bad, f"fxfuse.op's {part} may import only {', '.join(allowed)}; found (module, import): {bad}"

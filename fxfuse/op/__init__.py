@@ -8,6 +8,7 @@ shape once (the decision, its workspace, one agreement round), caches it and lau
 fxfuse's own kernels (`kernels`: Triton, the C++ fallback) or FlashInfer's. `runtime` also registers
 the op's kernels with torch and holds the public API (`fxfuse.prepare`, `fxfuse.destroy_workspaces`).
 The contract imports none of the sub-packages; `decide` and `kernels` import only the contract
-(`kernels.native_build` also `decide.environment`, for how FXFUSE_* variables are read).
+(`kernels.native_build` also `decide.environment`, for how FXFUSE_* variables are read); nothing in
+fxfuse.op imports the rest of fxfuse. tests/test_layout.py checks these rules.
 Importing this package registers nothing and imports neither CUDA code nor FlashInfer.
 """

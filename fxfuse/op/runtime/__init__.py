@@ -8,5 +8,5 @@ then the workspace it needs, then one agreement that every rank planned alike); 
 (FlashInfer's kernels through `trtllm_kernels` / `pcie_kernels`, or NCCL, then `fxfuse.op.kernels`).
 `workspace` owns the workspaces (`cuda_ipc`: device buffers shared over CUDA IPC) and `prepare` is the
 public lifecycle API (`fxfuse.prepare`, `fxfuse.destroy_workspaces`). May import the contract, `decide`
-and `kernels`; FlashInfer is imported lazily, on the CUDA path only.
+and `kernels`, nothing else of fxfuse; FlashInfer is imported lazily, on the CUDA path only.
 """
