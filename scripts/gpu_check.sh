@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One GPU session on the lent device: install the carried FlashInfer wheels (WHEELS, default .whl/),
-# install fxfuse (editable, no deps), then run the parts named in PARTS, each under its own time limit,
+# One GPU session on the lent device. When to run it: after a change to anything only a GPU exercises (the op's
+# CUDA path: kernels, plans, workspaces, the FlashInfer adapters, the C++ fallback's CUDA parts; the benchmarks),
+# and to refresh the numbers in DEVELOPERS.md / BENCHMARKS.md. It installs the carried FlashInfer wheels (WHEELS,
+# default .whl/) and fxfuse (editable, no deps), then runs the parts named in PARTS, each under its own time limit,
 # writing logs and results to $OUT/results/, tarred at the end into $OUT/results.tar.gz (the device
 # tool returns at most 8 files), with env.txt and the pytest log also beside it.
 #   tests     pytest -m gpu $TESTS (default tests/gpu)                     -> pytest_gpu.log

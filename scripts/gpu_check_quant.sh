@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One GPU session for quantized weights (issue 15), on ONE GPU, no FlashInfer and no carried wheels:
+# One GPU session for quantized weights (issue 15), on ONE GPU, no FlashInfer and no carried wheels. When to run
+# it: after a change to models/quant (GEMMs, expert kernels, loaders) or to the model benchmark's quantized runs.
 # 1. tests/gpu/test_quantized_gemm.py: FP8 / INT4 GEMMs at hidden 7168 vs the dequantized bf16 reference,
 #    and quantized models compiled with fxfuse replayed in CUDA graphs (measured errors -> quant_errors.jsonl);
 # 2. `fxfuse bench model --tp 1` (CUDA graphs, eager vs fxfuse) of deepseek-v3 (4 layers) in bf16 and fp8,

@@ -6,6 +6,8 @@ the best per point next to bf16 `F.linear`, and writes every timing to OUT_DIR/s
 tile table in models/quant/triton_gemm.py (`tile_shape`) was chosen from its output
 (bench/results/gpu_check_20261201b/gemm_tile_sweep.md). Points past the time budget are skipped.
 
+When to run it: after a change to the quantized GEMM kernel (models/quant/triton_gemm.py) or to pick tiles
+for another GPU than the H200: copy the best tiles into `tile_shape`. One GPU, no FlashInfer.
 Usage: python3 scripts/sweep_quant_gemm.py OUT_DIR [BUDGET_SECONDS, default 200]
 """
 import itertools

@@ -7,6 +7,8 @@ features are used; their Python modules stay, and the wheel's RECORD drops the r
 installs the copy as it does the original. Seen working on the H200 on 2026-12-02: the TensorRT-LLM,
 PCIe and norm kernels built and every GPU test passed.
 
+When to run it: once per FlashInfer wheel that GPU runs carry (e.g. the `.whl072s` folder DEVELOPERS.md
+names), before the device calls; scripts/gpu_check.sh installs whatever the carried folder holds.
 Usage: python scripts/trim_flashinfer_wheel.py SRC_WHEEL DEST_DIR
 """
 

@@ -8,7 +8,10 @@ runs) with one inner compiler, cold (a fresh process and Inductor cache director
   running inside it as Inductor's post-grad custom pass.
 Prints one JSON line: layers, inner compiler, compile seconds (dynamo included), backend seconds
 (everything after dynamo), pass seconds (the fxfuse passes, pattern tracing included).
-Usage: python bench/pass_vs_inductor.py LAYERS eager|inductor   (one measurement per process: Inductor
+When to run it: after a change to the passes, their pattern tracing or the recorder that could change
+how long a compile spends in fxfuse, to refresh the table in bench/results/report_timing.md (which has
+the loop over layers and inner compilers). CPU only; about a minute per line at 8 layers.
+Usage: python scripts/pass_vs_inductor.py LAYERS eager|inductor   (one measurement per process: Inductor
 keeps compiled kernels in memory, so a second compile in the same process would not be cold)
 """
 
