@@ -14,7 +14,7 @@
 #   model     fxfuse bench model --tp 1 --single-rank-collectives $MODEL_FLAGS -> model_*.json/.md
 #   kernel    fxfuse bench kernel --world-size 2 (ranks share the GPU: correctness only)
 # The first FlashInfer use JIT-compiles its kernels (trtllm_comm about 2 minutes, the PCIe all-reduce
-# about 15 s). NVLink multicast stays off in every process (DEVICE.md).
+# about 15 s). NVLink multicast stays off in every process (docs/DESIGN.md, rule 6).
 # Usage (device tool, carry [".whl072s"]): WHEELS=.whl072s PARTS="tests" scripts/gpu_check.sh, where .whl072s holds
 #        apache-tvm-ffi and the FlashInfer 0.7.2.post1 wheel trimmed by scripts/trim_flashinfer_wheel.py (the whole
 #        wheel with the tree is over the 64 MiB a call carries)

@@ -41,7 +41,7 @@ from fxfuse.models.parallel import ParallelContext
 from fxfuse.runner.errors import RankFailed
 from fxfuse.runner.torchrun import under_torchrun
 
-#: NVLink multicast stays off in every process we start (see DESIGN.md / DEVICE.md).
+#: NVLink multicast stays off in every process we start (docs/DESIGN.md, rule 6: the machines are shared).
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 #: Seconds finished ranks get to tear down their process group and exit before they are stopped.
 EXIT_GRACE_S = 5.0
