@@ -542,3 +542,22 @@ def test_a_flattened_grouping_folds_under_dynamic_shapes_when_the_width_comes_fr
         capture, _ = compile_and_run(module, *_inputs(0)[:2], backend=GraphCapture(patterns=PATTERNS), dynamic=True)
     assert capture.records[-1].stats.fp8_quantizations_folded == 1
     assert any(not isinstance(size, int) for size in _fused_node(capture.graphs[0].graph).meta["val"][0].shape)  # tokens symbolic
+
+
+def test_torchao_e8m0_scales_fold_and_match():
+    """torchao's own `_choose_scale_float8(scale_dtype=float8_e8m0fnu)` (`exp2(round(log2(s)))`) on float32
+    activations folds as `per_row, power of two (nearest)`, and that recipe is torchao's arithmetic."""
+    quant_primitives = pytest.importorskip("torchao.quantization.quant_primitives")
+
+    def torchao_e8m0(x):
+        scale = quant_primitives._choose_scale_float8(x, [1, x.shape[-1]], scale_dtype=torch.float8_e8m0fnu)
+        return quant_primitives._quantize_affine_float8(x, scale), scale
+
+    inputs = _inputs(0, torch.float32)
+    stats, graph = _compile_on_fake_group(lambda x, r, w, g: block(x, r, w, g, torchao_e8m0), *inputs)
+    recipe = Fp8Recipe("per_row", power_of_two="nearest")
+    assert stats.fp8_quantizations_folded == 1 and recipe_of(_fused_node(graph).args, {}) == recipe
+    normed, _ = add_rmsnorm(inputs[0], None, inputs[2], 1e-6)
+    q, s = quantize_fp8(normed, recipe)
+    q_ao, s_ao = torchao_e8m0(normed)
+    assert torch.equal(q.view(torch.uint8), q_ao.view(torch.uint8)) and torch.equal(s, s_ao)
