@@ -268,6 +268,11 @@ def test_output_path_checks(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="is not a directory"):
         check_output_dir(tmp_path / "file" / "results", "--out-dir")
+    # tried, not only asked: root passes every permission check, yet nothing can be created in /proc
+    with pytest.raises(ValueError, match="--out-dir /proc/fxfuse-results: (cannot create folders in|'/proc' is not writable)"):
+        check_output_dir("/proc/fxfuse-results", "--out-dir")
+    check_output_dir(tmp_path, "--out-dir")  # an existing writable folder; the probe file is gone again
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]
 
 
 def test_a_failed_write_at_the_end_keeps_the_results_and_exits_2(tmp_path, monkeypatch, capsys):
