@@ -62,6 +62,29 @@ def test_cpu_defaults_fit_the_machine():
     assert (config.tokens, config.batches, config.backends) == ((1, 4, 16, 64), (1, 8), ("eager", "inductor", "fxfuse"))
 
 
+@pytest.mark.parametrize("out_dir, message", [
+    ("/proc/fxfuse-results", "--out-dir /proc/fxfuse-results: "),  # root passes the permission bits, yet cannot create it
+    (__file__ + "/results", "is not a directory"),
+], ids=["in /proc", "under a file"])
+def test_an_unwritable_out_dir_is_refused_before_any_work(out_dir, message, monkeypatch, capsys):
+    """`fxfuse bench model --device cpu --out-dir X` with X not writable: one `fxfuse: error:` line and exit
+    status 2 before the op's settings are read, the benchmark is imported or any rank starts (at once: the
+    same command in a fresh process imports no torch, `tests/test_cli_startup.py`)."""
+    from types import SimpleNamespace
+
+    import fxfuse.cli
+    import fxfuse.runner.op_settings
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before --out-dir was checked")
+
+    monkeypatch.setattr(fxfuse.runner.op_settings, "checked_op_settings", no_work)
+    monkeypatch.setattr(fxfuse.cli, "importlib", SimpleNamespace(import_module=no_work))  # the benchmark's module
+    assert fxfuse.cli.main(["bench", "model", "--device", "cpu", "--out-dir", out_dir]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fxfuse: error: ") and message in err and err.count("\n") == 1
+
+
 def test_full_width_layers_that_do_not_fit_in_memory_are_refused(monkeypatch, capsys):
     import fxfuse.runner.options as options
 
