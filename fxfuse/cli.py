@@ -23,8 +23,8 @@ import threading
 from typing import Iterator
 
 from fxfuse.command_line import (
-    WEIGHT_SPELLINGS, CommandParser, add_dtype_option, at_least, check_output_file, int_list, positive_float, spelled,
-    write_json,
+    WEIGHT_SPELLINGS, CommandParser, add_dtype_option, at_least, check_output_dir, check_output_file, int_list,
+    positive_float, spelled, write_json,
 )
 from fxfuse.models.presets import PRESETS
 from fxfuse.models.quant.scheme import WEIGHT_FORMATS
@@ -443,6 +443,7 @@ BENCHMARKS_WITH_THE_OP = ("kernel", "fallback", "model")
 
 
 def _bench_command(args) -> int:
+    check_output_dir(args.out_dir, "--out-dir")  # every benchmark has one; checked before torch is imported
     if args.benchmark in BENCHMARKS_WITH_THE_OP and (args.benchmark != "model" or "fxfuse" in args.backends.split(",")):
         from fxfuse.runner.op_settings import checked_op_settings
 

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -142,13 +143,27 @@ def check_output_file(path: str | os.PathLike, flag: str) -> None:
 
 def check_output_dir(path: str | os.PathLike, flag: str) -> None:
     """Raise ValueError unless `path` is a writable directory or can be created (its nearest existing
-    ancestor is a writable directory)."""
+    ancestor is a writable directory). Tried, not only asked of the permission bits: a file is created in
+    `path` (a folder in its nearest existing ancestor, if `path` is still to be made) and removed again,
+    since root passes every permission check yet cannot create files in folders such as /proc or /sys."""
     folder = Path(path).absolute()
     existing = next(p for p in (folder, *folder.parents) if p.exists())
     if not existing.is_dir():
         raise ValueError(f"{flag} {path}: {str(existing)!r} is not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"{flag} {path}: {str(existing)!r} is not writable")
+    try:
+        if existing == folder:
+            handle, probe = tempfile.mkstemp(prefix=".fxfuse-write-check-", dir=existing)
+            os.close(handle)
+            os.unlink(probe)
+        else:
+            os.rmdir(tempfile.mkdtemp(prefix=".fxfuse-write-check-", dir=existing))
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise ValueError(f"{flag} {path}: {str(existing)!r} is not writable") from None
+        raise ValueError(f"{flag} {path}: cannot create {'files' if existing == folder else 'folders'} in "
+                         f"{str(existing)!r} ({exc.strerror or exc})") from None
 
 
 def parsed_or_status(parse: Callable[[], Any]) -> tuple[Any, int | None]:

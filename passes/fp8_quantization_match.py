@@ -359,7 +359,8 @@ def _ungrouped(node, inner: set) -> tuple:
         raise NotFused(f"`{node.name}` groups the flattened rows by {group}, and the row width {width} is not known to be "
                        f"a multiple of {group} (a group could span two rows)")
     inner.add(node)
-    return source, (None if statically_known_true(width == group) else group), source is not padded_source
+    padded = source is not padded_source and not statically_known_true(width == val(source).shape[-1])
+    return source, (None if statically_known_true(width == group) else group), padded
 
 
 def _unpadded(node, inner: set):

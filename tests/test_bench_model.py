@@ -54,19 +54,57 @@ def test_the_fp8_gemm_is_recorded_and_named_in_the_title(monkeypatch):
     assert markdown(report).startswith("# fxfuse bench model: NVIDIA H200, tp=2, deepseek-v3 (4 layers), bfloat16, fp8 w8a8 weights\n")
 
 
-def test_cpu_defaults_fit_the_machine():
-    """On cpu the defaults are the tiny preset (full-width DeepSeek-V3 layers do not fit in memory),
-    all its 4 layers and a KV cache of its 256 positions (1024 is the default only where it fits)."""
+def test_cpu_defaults_make_a_short_smoke_run_where_sites_fuse():
+    """On cpu the defaults are the smoke run of `CPU_SMOKE_RUN`: the tiny preset (full-width DeepSeek-V3 layers
+    do not fit in memory), its first 2 layers (one dense, one MoE) and a KV cache of its 256 positions (1024 is
+    the default only where it fits); tp 2, so there are all-reduce sites to fuse; one width and one batch size,
+    so each compiled backend compiles one graph; few samples. Every backend is still measured."""
     config, tp = config_from_args(parse_args(["--device", "cpu"]))
-    assert (config.preset, config.layers, config.context, tp) == ("tiny", 4, 256, 1)
-    assert (config.tokens, config.batches, config.backends) == ((1, 4, 16, 64), (1, 8), ("eager", "inductor", "fxfuse"))
+    assert (config.preset, config.layers, config.context, tp) == ("tiny", 2, 256, 2)
+    assert (config.tokens, config.batches, config.backends) == ((2,), (2,), ("eager", "inductor", "fxfuse"))
+    assert (config.repeats, config.iters, config.cuda_graphs, config.dynamic) == (3, 2, False, (True,))
+    given, tp = config_from_args(parse_args(["--device", "cpu", "--tp", "1", "--layers", "4", "--tokens", "1,4",
+                                             "--batch", "1,8", "--repeats", "10", "--iters", "5"]))
+    assert (given.layers, given.tokens, given.batches, given.repeats, given.iters, tp) == (4, (1, 4), (1, 8), 10, 5, 1)
+
+
+def test_the_help_says_what_the_cpu_run_does_and_does_not_measure(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--device cpu is a smoke run of the benchmark's code" in text
+    assert "tensor parallel over 2 gloo processes" in text and "What it does not measure: speed." in text
+    assert "default 1,4,16,64 on cuda, 2 on cpu" in text  # --tokens, per device
+
+
+@pytest.mark.parametrize("out_dir, message", [
+    ("/proc/fxfuse-results", "--out-dir /proc/fxfuse-results: "),  # root passes the permission bits, yet cannot create it
+    (__file__ + "/results", "is not a directory"),
+], ids=["in /proc", "under a file"])
+def test_an_unwritable_out_dir_is_refused_before_any_work(out_dir, message, monkeypatch, capsys):
+    """`fxfuse bench model --device cpu --out-dir X` with X not writable: one `fxfuse: error:` line and exit
+    status 2 before the op's settings are read, the benchmark is imported or any rank starts (at once: the
+    same command in a fresh process imports no torch, `tests/test_cli_startup.py`)."""
+    from types import SimpleNamespace
+
+    import fxfuse.cli
+    import fxfuse.runner.op_settings
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before --out-dir was checked")
+
+    monkeypatch.setattr(fxfuse.runner.op_settings, "checked_op_settings", no_work)
+    monkeypatch.setattr(fxfuse.cli, "importlib", SimpleNamespace(import_module=no_work))  # the benchmark's module
+    assert fxfuse.cli.main(["bench", "model", "--device", "cpu", "--out-dir", out_dir]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fxfuse: error: ") and message in err and err.count("\n") == 1
 
 
 def test_full_width_layers_that_do_not_fit_in_memory_are_refused(monkeypatch, capsys):
     import fxfuse.runner.options as options
 
     monkeypatch.setattr(options, "available_host_memory", lambda: 16 * 10**9)
-    assert main(["--device", "cpu", "--preset", "deepseek-v3"]) == 2
+    assert main(["--device", "cpu", "--preset", "deepseek-v3", "--layers", "4"]) == 2
     assert "the weights need at least 30.2 GB of memory" in capsys.readouterr().err
 
 
@@ -79,7 +117,7 @@ def test_the_timing_says_whether_steps_were_replayed_or_uncaptured():
     cpu, _ = config_from_args(parse_args(["--device", "cpu"]))
     assert cpu.cuda_graphs is False and _timing_text(cpu, cuda=False).startswith("CPU smoke run, wall clock")
     assert parse_args(["--no-cuda-graphs"]).cuda_graphs is False and parse_args([]).cuda_graphs is True
-    replayed = dataclasses.replace(cpu, device="cuda", cuda_graphs=True)
+    replayed = dataclasses.replace(cpu, device="cuda", cuda_graphs=True, repeats=10, iters=5)  # cuda's defaults
     assert _timing_text(replayed, cuda=True) == "CUDA-graph replay; median of 10 samples of 5 replays, slowest rank"
     uncaptured = dataclasses.replace(replayed, cuda_graphs=False)
     assert _timing_text(uncaptured, cuda=True).startswith("uncaptured compiled steps (no CUDA graphs: host cost included)")
@@ -117,6 +155,26 @@ def test_cpu_smoke_run_writes_a_report(tmp_path):
     assert all(0 < r["eager_sensitivity"] < 0.05 for r in report["results"])  # the perturbed eager step, per width
     assert [(c["tokens"], c["allreduces"]) for c in report["collectives"]] == [(1, 3), (2, 3)]  # 1 + 2 * layers
     assert [row["allreduce_share"] > 0 for row in report["summary"]] == [True, True]
+    assert json_path.with_suffix(".md").exists()
+
+
+@pytest.mark.slow
+def test_the_default_cpu_smoke_run_fuses_every_site_and_checks_every_backend(tmp_path):
+    """`fxfuse bench model --device cpu` with its defaults, as its --help describes it: tp 2 on gloo, the tiny
+    preset's first 2 layers, eager, Inductor and fxfuse (its passes, then Inductor) at one point, each within
+    the bound of eager; all 5 sites fused; the report written. Measured on 2 shared CPU cores (2026-12-02): this
+    test 44 s with a cold Inductor cache, 10 s with a warm one; the command itself 47 to 85 s cold (by the
+    machine's load) and 19 s warm. Before these defaults (tp 1, widths 1,4,16,64 x batches 1,8, 10 x 5 samples)
+    it took 10.6 minutes, 3.3 the second time, and had no site to fuse."""
+    assert main(["--device", "cpu", "--out-dir", str(tmp_path)]) == 0
+    (json_path,) = tmp_path.glob("model_cpu-*_tp2_tiny-2l_*.json")
+    report = json.loads(json_path.read_text())
+    assert report["world_size"] == 2 and report["cuda_graphs"] is False
+    assert report["allreduce_sites"] == report["fused_sites"] == 5  # the embedding's, then two per layer
+    assert [(r["batch"], r["tokens"], r["backend"], r["status"]) for r in report["results"]] == [
+        (2, 2, "eager", "ok"), (2, 2, "inductor", "ok"), (2, 2, "fxfuse", "ok")]
+    assert all(r["step_ms"] > 0 for r in report["results"])
+    assert [row["fxfuse_over_inductor"] is not None for row in report["summary"]] == [True]
     assert json_path.with_suffix(".md").exists()
 
 

@@ -63,8 +63,10 @@ def test_the_built_in_job_fuses_every_site_and_matches_eager(tmp_path, capfd):
         assert sum(line.endswith(") ...") for line in compiling) == 1  # rank 0 only
     assert err.count("fxfuse: dynamo traced layer 4/4") >= 1  # once per compile that traces the model
     assert err.count("verify steps of 2 x 1 tokens: 4/4") == 1
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert not [key for key in summary if f"`{key}`" not in readme]  # the README documents every summary field
+    repo = Path(__file__).resolve().parents[1]
+    cli_doc = (repo / "docs" / "CLI.md").read_text().split("### The summary\n", 1)[1].split("\n## ", 1)[0]
+    assert not [key for key in summary if f"`{key}`" not in cli_doc]  # docs/CLI.md documents every summary field
+    readme = (repo / "README.md").read_text()
     sample = readme.split("## What `scripts/dev run` shows", 1)[1].split("```\n", 2)[1].splitlines()
     printed = captured.out.splitlines()
     # the README's sample is this output, timings aside, and the check's numbers aside: float32 rounding
@@ -268,6 +270,11 @@ def test_output_path_checks(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="is not a directory"):
         check_output_dir(tmp_path / "file" / "results", "--out-dir")
+    # tried, not only asked: root passes every permission check, yet nothing can be created in /proc
+    with pytest.raises(ValueError, match="--out-dir /proc/fxfuse-results: (cannot create folders in|'/proc' is not writable)"):
+        check_output_dir("/proc/fxfuse-results", "--out-dir")
+    check_output_dir(tmp_path, "--out-dir")  # an existing writable folder; the probe file is gone again
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]
 
 
 def test_a_failed_write_at_the_end_keeps_the_results_and_exits_2(tmp_path, monkeypatch, capsys):

@@ -29,6 +29,7 @@ CASES = [
     (["report", "--preset", "nope"], 2),
     (["bench"], 2),
     (["bench", "model", "--repeats", "0"], 2),
+    (["bench", "model", "--device", "cpu", "--out-dir", "/proc/fxfuse-results"], 2),  # cannot be created
     (["plan", "--help"], 0),
     (["plan", "--tp", "3"], 2),
     (["plan", "--gpu-memory-gb", "inf"], 2),

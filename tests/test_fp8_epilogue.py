@@ -517,3 +517,47 @@ def test_report_compiled_says_whether_each_sites_quantization_was_fused():
     assert [row.fp8 for row in report.sites] == [
         "fused: per_group 128, no clamp", "left out: `clamp_max` clamps to [None, 240.0], not to [-448, 448] before the FP8 cast"]
     assert "[FP8 quantization fused: per_group 128, no clamp]" in report.table()
+
+
+class _NormThenQuantize(torch.nn.Module):
+    """A model's block: the norm weight is a parameter, so its width is static even under dynamic=True."""
+
+    def __init__(self, quantize, group_name: str):
+        super().__init__()
+        self.weight = torch.nn.Parameter(_inputs(0)[2], requires_grad=False)
+        self.quantize, self.group_name = quantize, group_name
+
+    def forward(self, x, residual):
+        hidden = funcol.all_reduce(x, "sum", self.group_name) + residual
+        quantized, scales = self.quantize(rmsnorm_transformers(hidden, self.weight, 1e-6))
+        return quantized, scales, hidden
+
+
+@pytest.mark.parametrize("name", [n for n in DYNAMIC_UNFOLDED if "flattened" in DYNAMIC_UNFOLDED[n]])
+def test_a_flattened_grouping_folds_under_dynamic_shapes_when_the_width_comes_from_a_weight(name):
+    """What DYNAMIC_UNFOLDED leaves out in toy functions folds in a model: the weight's width specializes
+    the hidden size, so the flattened groups are known to lie within rows."""
+    with fake_process_group() as group:
+        module = _NormThenQuantize(SPELLINGS[name][0], group.group_name)
+        capture, _ = compile_and_run(module, *_inputs(0)[:2], backend=GraphCapture(patterns=PATTERNS), dynamic=True)
+    assert capture.records[-1].stats.fp8_quantizations_folded == 1
+    assert any(not isinstance(size, int) for size in _fused_node(capture.graphs[0].graph).meta["val"][0].shape)  # tokens symbolic
+
+
+def test_torchao_e8m0_scales_fold_and_match():
+    """torchao's own `_choose_scale_float8(scale_dtype=float8_e8m0fnu)` (`exp2(round(log2(s)))`) on float32
+    activations folds as `per_row, power of two (nearest)`, and that recipe is torchao's arithmetic."""
+    quant_primitives = pytest.importorskip("torchao.quantization.quant_primitives")
+
+    def torchao_e8m0(x):
+        scale = quant_primitives._choose_scale_float8(x, [1, x.shape[-1]], scale_dtype=torch.float8_e8m0fnu)
+        return quant_primitives._quantize_affine_float8(x, scale), scale
+
+    inputs = _inputs(0, torch.float32)
+    stats, graph = _compile_on_fake_group(lambda x, r, w, g: block(x, r, w, g, torchao_e8m0), *inputs)
+    recipe = Fp8Recipe("per_row", power_of_two="nearest")
+    assert stats.fp8_quantizations_folded == 1 and recipe_of(_fused_node(graph).args, {}) == recipe
+    normed, _ = add_rmsnorm(inputs[0], None, inputs[2], 1e-6)
+    q, s = quantize_fp8(normed, recipe)
+    q_ao, s_ao = torchao_e8m0(normed)
+    assert torch.equal(q.view(torch.uint8), q_ao.view(torch.uint8)) and torch.equal(s, s_ao)

@@ -252,15 +252,14 @@ def test_tiny_model_fuses_the_same_with_the_pass_as_with_the_backend():
 
 
 def readme_with_post_grad_pass() -> str:
-    """The README's example compiled by Inductor (max-autotune) with the pass, instead of backend="fxfuse"."""
-    from test_readme import example_script
+    """The README's example compiled by Inductor (max-autotune) with the pass, instead of backend="fxfuse": its
+    `compiled = ...` line replaced by the README's own `fxfuse.post_grad_pass()` block, as that section says."""
+    from test_readme import README, example_script, python_blocks
 
-    script, replaced = re.subn(
-        r'^compiled = torch\.compile\(model, backend="fxfuse", fullgraph=True\).*$',
-        "import fxfuse\nimport torch._inductor.config as inductor_config\n"
-        "inductor_config.post_grad_custom_post_pass = fxfuse.post_grad_pass(inductor_config.post_grad_custom_post_pass)\n"
-        'compiled = torch.compile(model, mode="max-autotune", fullgraph=True)',
-        example_script(), flags=re.M)
+    (block,) = python_blocks(README.read_text(), "Inside another backend: `fxfuse.post_grad_pass()`")
+    assert "fxfuse.post_grad_pass(" in block and 'mode="max-autotune"' in block and "\ncompiled = " in block
+    script, replaced = re.subn(r'^compiled = torch\.compile\(model, backend="fxfuse", fullgraph=True\).*$',
+                               lambda match: block.rstrip("\n"), example_script(), flags=re.M)
     assert replaced == 1
     return script
 

@@ -5,8 +5,8 @@ no torch.
 `add_gemm_arguments(parser)` and `add_compile_arguments(parser)` declare each benchmark's options
 (the `fxfuse` command and each benchmark's own `python -m` entry share them), so `--help` and
 unknown options are answered before torch is imported. Options whose default depends on the machine
-(`--preset`, `--layers`, `--context` of the model benchmark) default to None and are resolved by
-the benchmark; their help says to what.
+(the model benchmark's `--preset`, `--layers`, `--tp`, `--tokens`, `--batch`, `--context`, `--repeats` and
+`--iters`: per `--device`) default to None and are resolved by the benchmark; their help says to what.
 """
 
 from __future__ import annotations
@@ -16,6 +16,11 @@ from pathlib import Path
 
 from fxfuse.command_line import WEIGHT_SPELLINGS, add_dtype_option, at_least, comma_subset, int_list, positive_float, spelled
 from fxfuse.runner.options import BACKENDS, DYNAMIC_CHOICES
+
+
+def _joined(values) -> str:
+    return ",".join(map(str, values))
+
 
 MODEL_DESCRIPTION = ("DeepSeek-V3 verify-step latency, eager vs Inductor vs fxfuse, under CUDA graphs (or uncaptured "
                      "with --no-cuda-graphs).")
@@ -27,12 +32,33 @@ FALLBACK_DESCRIPTION = ("The fused op's NCCL fallback against the unfused graph 
 COMPILE_DESCRIPTION = ("Cold and warm compile time (a fresh Inductor cache, then a second process on the same cache) "
                        "of a model step with plain Inductor and with fxfuse, on the CPU.")
 
-#: Model benchmark defaults: step widths, batch sizes, the preset per device, layers, KV-cache length.
-DEFAULT_TOKENS = (1, 4, 16, 64)
-DEFAULT_BATCHES = (1, 8)
+#: Model benchmark defaults per device (step widths, batch sizes, preset, layers, timing samples and calls
+#: per sample), and the KV-cache length. On cpu they make the smoke run of `CPU_SMOKE_RUN`: tp 2, so the
+#: all-reduce sites exist and fuse; one width and one batch size, so each compiled backend compiles one graph
+#: (Inductor's C++ code generation takes about a minute per graph of the tiny model on 2 cores: 1,4,16,64 x 1,8
+#: at tp 1 took 10.6 minutes); the tiny preset's first 2 layers, one dense and one MoE.
+DEFAULT_TOKENS = {"cuda": (1, 4, 16, 64), "cpu": (2,)}
+DEFAULT_BATCHES = {"cuda": (1, 8), "cpu": (2,)}
 DEFAULT_PRESET = {"cuda": "deepseek-v3", "cpu": "tiny"}
-DEFAULT_LAYERS = 4
+DEFAULT_LAYERS = {"cuda": 4, "cpu": 2}
+DEFAULT_REPEATS = {"cuda": 10, "cpu": 3}
+DEFAULT_ITERS = {"cuda": 5, "cpu": 2}
+#: The tensor-parallel size of the cpu smoke run (gloo processes); on cuda the default is every visible GPU.
+CPU_TP = 2
 DEFAULT_CONTEXT = 1024
+CPU_SMOKE_RUN = (
+    "--device cpu is a smoke run of the benchmark's code, about a minute on 2 CPU cores (47 to 85 s measured, by "
+    f"the machine's load; 20 s once Inductor's cache holds its kernels): the {DEFAULT_PRESET['cpu']} preset's first {DEFAULT_LAYERS['cpu']} layers (one "
+    f"dense, one MoE), tensor parallel over {CPU_TP} gloo processes, {_joined(DEFAULT_BATCHES['cpu'])} sequences "
+    f"x {_joined(DEFAULT_TOKENS['cpu'])} tokens per step, each backend compiled once (fxfuse: its passes, then "
+    f"Inductor) and timed in {DEFAULT_REPEATS['cpu']} samples of {DEFAULT_ITERS['cpu']} calls. What it checks: "
+    "each backend's step compiles and runs, its logits stay within the bound of eager's (exit status 1 if not), and "
+    "the report files are written; the report says how many all-reduce sites fxfuse fused (all "
+    f"{1 + 2 * DEFAULT_LAYERS['cpu']}: the embedding's and two per layer; the fused op runs its CPU reference kernel, "
+    "gloo all-reduce + float32 RMSNorm). What it does not measure: speed. Its times are the wall clock of processes sharing the "
+    "CPU's cores, with no CUDA graphs, no fused all-reduce kernel and no GPU, so its fxfuse / inductor ratios "
+    "and all-reduce shares say nothing about a GPU run."
+)
 DEFAULT_OUT_DIR = Path("bench/results")
 OUT_DIR_HELP = f"where result files go; the files written are listed at the end (default {DEFAULT_OUT_DIR}, in the current directory)"
 
@@ -58,35 +84,39 @@ DEFAULT_COMPILE_REPEATS = 3
 KERNEL_VARIANTS = ("fused-oneshot", "fused-twoshot", "pcie", "fallback", "nccl+inductor")
 
 
-def _joined(values) -> str:
-    return ",".join(map(str, values))
-
-
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `fxfuse bench model`."""
+    """The options of `fxfuse bench model`; its help ends with what the cpu smoke run does (`CPU_SMOKE_RUN`)."""
+    p.epilog = CPU_SMOKE_RUN
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="cuda, or cpu for a smoke run of the code on gloo ranks (default cuda)")
+                   help="cuda, or cpu for a smoke run of the code on gloo ranks, which checks the benchmark and "
+                        "measures no speed (see below) (default cuda)")
     p.add_argument("--preset", default=None,
                    help=f"model preset (default: {DEFAULT_PRESET['cuda']} at full width on cuda, "
                         f"{DEFAULT_PRESET['cpu']} on cpu, where full-width layers do not fit in memory)")
     p.add_argument("--layers", type=at_least(1), default=None,
-                   help=f"decoder layers (default {DEFAULT_LAYERS}: 3 dense + 1 MoE for deepseek-v3; all of a preset with fewer)")
+                   help=f"decoder layers (default {DEFAULT_LAYERS['cuda']} on cuda: 3 dense + 1 MoE for deepseek-v3; "
+                        f"{DEFAULT_LAYERS['cpu']} on cpu: 1 dense + 1 MoE for tiny; all of a preset with fewer)")
     p.add_argument("--tp", type=at_least(1), default=None,
-                   help="tensor-parallel size (default: all visible GPUs on cuda, 1 on cpu; under torchrun its "
+                   help=f"tensor-parallel size (default: all visible GPUs on cuda, {CPU_TP} on cpu; under torchrun its "
                         "WORLD_SIZE, which a given --tp must match)")
-    p.add_argument("--tokens", default=_joined(DEFAULT_TOKENS),
-                   help=f"comma-separated step widths, at most 128 (default {_joined(DEFAULT_TOKENS)})")
-    p.add_argument("--batch", default=_joined(DEFAULT_BATCHES),
-                   help=f"comma-separated batch sizes (default {_joined(DEFAULT_BATCHES)})")
+    p.add_argument("--tokens", default=None,
+                   help="comma-separated step widths, at most 128 (default "
+                        f"{_joined(DEFAULT_TOKENS['cuda'])} on cuda, {_joined(DEFAULT_TOKENS['cpu'])} on cpu)")
+    p.add_argument("--batch", default=None,
+                   help=f"comma-separated batch sizes (default {_joined(DEFAULT_BATCHES['cuda'])} on cuda, "
+                        f"{_joined(DEFAULT_BATCHES['cpu'])} on cpu)")
     p.add_argument("--backends", default=_joined(BACKENDS),
                    help=f"comma-separated subset of {', '.join(BACKENDS)} (default: all)")
     add_dtype_option(p, ("bfloat16", "float16", "float32"), "bfloat16", "weights and activations (default bfloat16)")
     p.add_argument("--context", type=at_least(1), default=None,
                    help=f"KV-cache length (positions) every step attends over (default {DEFAULT_CONTEXT}, "
                         "or the preset's max_position_embeddings if smaller)")
-    p.add_argument("--repeats", type=at_least(1), default=10,
-                   help="timing samples per point; the median is reported (default 10)")
-    p.add_argument("--iters", type=at_least(1), default=5, help="replays per timing sample (default 5)")
+    p.add_argument("--repeats", type=at_least(1), default=None,
+                   help=f"timing samples per point; the median is reported (default {DEFAULT_REPEATS['cuda']} on cuda, "
+                        f"{DEFAULT_REPEATS['cpu']} on cpu)")
+    p.add_argument("--iters", type=at_least(1), default=None,
+                   help=f"replays per timing sample, or calls where nothing is captured (default {DEFAULT_ITERS['cuda']} on cuda, "
+                        f"{DEFAULT_ITERS['cpu']} on cpu)")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="stop capturing new points after this many seconds and report what was measured "
                         "(default: no budget)")

@@ -17,9 +17,10 @@ step's all-reduces ([batch * width, hidden] each, as many as the step does) capt
 and reports their share of the unfused (Inductor) step. Results go to --out-dir as JSON, markdown
 and PNG (see `fxfuse.bench.model_report`).
 
-`--device cpu` is a smoke run of the same code (gloo ranks, no CUDA graphs, wall-clock timing) on
-the tiny preset by default: it checks the benchmark, not the speed. Options and their defaults:
-`fxfuse.bench.arguments`. Launch under torchrun to join an existing launch.
+`--device cpu` is a smoke run of the same code (gloo ranks, no CUDA graphs, wall-clock timing) with defaults
+of its own that keep it to a minute or two while every site fuses (`fxfuse.bench.arguments.CPU_SMOKE_RUN`, the
+end of `--help`): it checks the benchmark, not the speed. Options and their defaults: `fxfuse.bench.arguments`.
+Launch under torchrun to join an existing launch.
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from fxfuse.bench.arguments import DEFAULT_CONTEXT, DEFAULT_LAYERS, DEFAULT_PRESET, MODEL_DESCRIPTION, add_model_arguments
+from fxfuse.bench.arguments import (
+    CPU_TP, DEFAULT_BATCHES, DEFAULT_CONTEXT, DEFAULT_ITERS, DEFAULT_LAYERS, DEFAULT_PRESET, DEFAULT_REPEATS, DEFAULT_TOKENS,
+    MODEL_DESCRIPTION, add_model_arguments,
+)
 from fxfuse.bench.model_report import markdown, write_report
 from fxfuse.bench.output import mode_name, package_versions, publish, relative_l2_error, report_header
 from fxfuse.command_line import CommandParser, check_output_dir, parsed_or_status
@@ -93,7 +97,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[ModelBenchConfig, int]:
     raises BenchInputError naming the problem."""
     from fxfuse.models.presets import PRESETS, get_preset
 
-    tokens, batches = _int_list("--tokens", args.tokens), _int_list("--batch", args.batch)
+    device = args.device
+    tokens = _int_list("--tokens", args.tokens) if args.tokens is not None else DEFAULT_TOKENS[device]
+    batches = _int_list("--batch", args.batch) if args.batch is not None else DEFAULT_BATCHES[device]
     backends = tuple(args.backends.split(","))
     unknown = sorted(set(backends) - set(BACKENDS))
     if unknown:
@@ -102,7 +108,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[ModelBenchConfig, int]:
     if preset not in PRESETS:
         raise BenchInputError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
     config = get_preset(preset)
-    layers = args.layers or min(DEFAULT_LAYERS, config.num_hidden_layers)
+    layers = args.layers or min(DEFAULT_LAYERS[device], config.num_hidden_layers)
     context = args.context or min(DEFAULT_CONTEXT, config.max_position_embeddings)
     if max(tokens) > 128:
         raise BenchInputError(f"--tokens must be at most 128 per step (got {max(tokens)})")
@@ -129,7 +135,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[ModelBenchConfig, int]:
     bench = ModelBenchConfig(
         preset=preset, layers=layers, tokens=tuple(sorted(set(tokens))), batches=tuple(sorted(set(batches))),
         backends=tuple(b for b in BACKENDS if b in backends), dtype=args.dtype, context=context,
-        repeats=args.repeats, iters=args.iters, device=args.device, time_budget_s=args.time_budget_s,
+        repeats=args.repeats or DEFAULT_REPEATS[device], iters=args.iters or DEFAULT_ITERS[device], device=device,
+        time_budget_s=args.time_budget_s,
         single_rank_collectives=args.single_rank_collectives, weights=args.weights, fp8_gemm=fp8_gemm,
         cuda_graphs=args.cuda_graphs and args.device == "cuda",
         dynamic=shape_modes(args.dynamic, args.cuda_graphs and args.device == "cuda"),
@@ -159,12 +166,12 @@ def _int_list(flag: str, text: str) -> tuple[int, ...]:
 
 def _tensor_parallel_size(args: argparse.Namespace) -> int:
     """--tp, or its default: under torchrun the launch's world size (a different --tp is refused), else all
-    visible GPUs on cuda and 1 on cpu."""
+    visible GPUs on cuda and `CPU_TP` gloo processes on cpu."""
     launched = launched_world_size()
     if launched is not None and args.tp is not None:
         check_tp_matches_launch(args.tp)
     if args.device == "cpu":
-        return launched or args.tp or 1
+        return launched or args.tp or CPU_TP
     if not torch.cuda.is_available():
         raise BenchInputError("fxfuse bench model needs CUDA GPUs (use --device cpu for a smoke run of the code)")
     gpus = torch.cuda.device_count()

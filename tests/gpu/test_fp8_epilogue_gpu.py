@@ -293,6 +293,7 @@ def test_pcie_path_runs_the_fused_fp8_kernel():
 # Marks per test (a module-wide pytestmark would skip them all without FlashInfer): the kernel, one-rank
 # and compiled-block tests need a GPU only; the TensorRT-LLM one FlashInfer; the PCIe one FlashInfer >= 0.7.2.
 for _test, _marks in ((test_the_fused_kernel_quantizes_exactly_as_the_recipe, CUDA_GPU_MARKS),
+                      (test_nan_lands_where_the_unfused_code_puts_it, CUDA_GPU_MARKS),
                       (test_one_rank_fp8_op_eager_donated_and_replayed, CUDA_GPU_MARKS),
                       (test_inductor_compiled_block_folds_the_quantization_and_matches_eager_under_cuda_graphs, CUDA_GPU_MARKS),
                       (test_trtllm_path_quantizes_its_norm_output, FLASHINFER_GPU_MARKS),

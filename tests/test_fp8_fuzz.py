@@ -1,0 +1,123 @@
+"""Differential test of the FP8 epilogue (issue 29): seeded random FP8 quantizations after a fused site
+(tests/fp8_fuzz_cases.py: every recipe, spelled many ways, static and dynamic shapes, and wrong-on-purpose
+draws) compiled with the fxfuse backend (eager inner compiler) on 2 gloo ranks, against eager.
+
+For each case: the pass folds exactly the draws it must (`Fp8Case.folds`) and gives the expected reason for
+the others; every output (e4m3 codes, scales, the residual sum, the normed output when read) equals eager's
+bit for bit (on CPU the fused op's arithmetic is the unfused torch code's). `QUICK_CASES` seeds in the quick
+loop, `SLOW_CASES` more under `slow`; other seeds: `.venv/bin/python tests/test_fp8_fuzz.py FIRST COUNT`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from fp8_fuzz_cases import Fp8Case, random_case, render
+from toy_graphs import GraphCapture, compile_and_run
+
+from fxfuse.op.schema import NORM_OPS
+from fxfuse.passes.config import PATTERNS
+from fxfuse.passes.fp8_epilogue import FP8_REASON
+from fxfuse.runner.launch import run_on_ranks
+
+QUICK_CASES = 24
+SLOW_CASES = 240
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _program(case: Fp8Case):
+    namespace = {"torch": torch, "funcol": funcol, "F": F}
+    exec(compile(render(case), f"<fp8 case {case.seed}>", "exec"), namespace)  # noqa: S102 - our own generated source
+    return namespace["program"]
+
+
+def _inputs(case: Fp8Case, rank: int) -> tuple:
+    g = torch.Generator().manual_seed(case.seed * 10 + rank)
+    common = torch.Generator().manual_seed(case.seed)
+    dtype = DTYPES[case.dtype]
+    x = (torch.randn(case.tokens, case.hidden, generator=g) * 2).to(dtype)
+    x[0, : case.hidden // 4] = 0.0  # with the residual's zeros below: an all-zero group (0 / 0 without a bound)
+    residual = torch.randn(case.tokens, case.hidden, generator=common).to(dtype)
+    residual[0, : case.hidden // 4] = 0.0
+    weight = (1 + 0.1 * torch.randn(case.hidden, generator=common)).to(dtype)
+    return x, residual, weight, torch.tensor(0.37 if case.scaling == "static_mul" else 2.7)
+
+
+def _bits(outputs) -> list:
+    """Each output as comparable CPU data: FP8 as its codes (FP8 tensors do not pickle back from a rank)."""
+    return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in outputs]
+
+
+def check_case(case: Fp8Case, group_name: str, rank: int) -> str | None:
+    """What is wrong with `case` compiled against eager and its expected folding, or None."""
+    program = _program(case)
+    inputs = _inputs(case, rank)
+    try:
+        capture, got = compile_and_run(lambda *a: program(*a, group_name), *inputs, backend=GraphCapture(PATTERNS),
+                                       dynamic=case.dynamic)
+    except Exception as error:  # noqa: BLE001 - a crash is a finding, reported with the case
+        return f"compile or run failed: {type(error).__name__}: {error}"
+    with torch.no_grad():
+        expected = program(*inputs, group_name)
+    folded = sum(record.stats.fp8_quantizations_folded for record in capture.records)
+    reasons = [node.meta.get(FP8_REASON) for graph in capture.graphs for node in graph.graph.nodes
+               if node.target in NORM_OPS]
+    if folded != int(case.folds):
+        return f"folded {folded}, expected {int(case.folds)} (reasons: {reasons})"
+    if not case.folds and not any(reason and expected in reason for reason in reasons for expected in case.reasons):
+        return f"left out for {reasons}, expected a reason containing one of {case.reasons}"
+    for index, (a, b) in enumerate(zip(_bits(got), _bits(expected), strict=True)):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return f"output {index}: {a.dtype} {tuple(a.shape)}, eager {b.dtype} {tuple(b.shape)}"
+        if not torch.equal(a.nan_to_num(7.0) if a.is_floating_point() else a, b.nan_to_num(7.0) if b.is_floating_point() else b) \
+                or (a.is_floating_point() and not torch.equal(a.isnan(), b.isnan())):
+            return f"output {index} differs from eager in {(a != b).sum()} of {a.numel()} elements"
+    return None
+
+
+def _cases_on_rank(ctx, first: int, count: int) -> list:
+    return [(seed, check_case(random_case(seed), ctx.group.group_name, ctx.rank)) for seed in range(first, first + count)]
+
+
+def _failures(first: int, count: int, timeout_s: int) -> list[str]:
+    failures = []
+    for rank_results in run_on_ranks(_cases_on_rank, 2, first, count, timeout_s=timeout_s):
+        for seed, problem in rank_results:
+            if problem is not None:
+                failures.append(f"seed {seed}: {problem}\n{random_case(seed)}\n{render(random_case(seed))}")
+    return failures
+
+
+def test_random_fp8_quantizations_fold_exactly_when_they_should_and_equal_eager():
+    failures = _failures(0, QUICK_CASES, timeout_s=600)
+    assert not failures, "\n".join(failures[:3])
+
+
+@pytest.mark.slow
+def test_more_random_fp8_quantizations():
+    failures = _failures(QUICK_CASES, SLOW_CASES, timeout_s=3000)
+    assert not failures, "\n".join(failures[:3])
+
+
+def test_the_draws_cover_every_choice():
+    """The generator's draws over the quick and slow seeds include every recipe field and every wrong kind."""
+    cases = [random_case(seed) for seed in range(QUICK_CASES + SLOW_CASES)]
+    for field, values in (("scaling", {"group", "row", "static_mul", "static_div"}),
+                          ("grouping", {"keep_rows", "unflatten", "flat", "padded"}),
+                          ("power_of_two", {"none", "ceil", "floor", "round"}),
+                          ("apply", {"divide", "reciprocal", "one_over"}),
+                          ("clamp", {"none", "both", "min_then_max", "max_then_min", "from_448", "one_side", "240"}),
+                          ("wrong_scale", {"none", "per_tensor", "columns"}), ("dynamic", {True, False}),
+                          ("scale_in_activation_dtype", {True, False}), ("min_scale", {True, False})):
+        assert {getattr(case, field) for case in cases} == values, field
+    assert 0.6 < sum(case.folds for case in cases) / len(cases) < 0.9
+
+
+if __name__ == "__main__":
+    first, count = int(sys.argv[1]), int(sys.argv[2])
+    problems = _failures(first, count, timeout_s=max(600, count * 20))
+    print("\n".join(problems) or f"{count} cases from seed {first}: no failures")
