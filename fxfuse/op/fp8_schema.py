@@ -25,6 +25,8 @@ the reference (`fxfuse.op.runtime.cpu_kernel` then `fxfuse.op.fp8_recipe.quantiz
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from fxfuse.op.fp8_recipe import FP8_DTYPE, FP8_MAX, Fp8Recipe, check_fp8_arguments, scale_shape
@@ -42,11 +44,6 @@ FP8_OVERLOADS = {
     "donate_x": f"(Tensor(a!) x, Tensor? residual, Tensor weight, float eps, str group_name, {_QUANT_ARGUMENTS})",
     "donate_x_tensor_eps": f"(Tensor(a!) x, Tensor? residual, Tensor weight, Tensor eps, str group_name, {_QUANT_ARGUMENTS})",
 }
-#: Every argument after the first five, in schema order, with its default (None: required).
-_LATER_ARGUMENTS = (("scaling", None), ("group_size", None), ("min_amax", None), ("scale_dtype", None),
-                    ("static_scale", None), ("return_normed", None), ("weight_offset", 0.0), ("weight_in_fp32", False),
-                    ("scale_divisor", None), ("min_scale", 0.0), ("power_of_two", "none"), ("reciprocal", False),
-                    ("saturate", True))
 
 
 def fp8_overload_name(overload: str) -> str:
@@ -59,27 +56,28 @@ for _overload, _arguments in FP8_OVERLOADS.items():
     torch.library.define(f"fxfuse::{fp8_overload_name(_overload)}", f"{_arguments} -> {_RESULTS}")
 
 
+#: The recipe's fields, in the order `Fp8Recipe` takes them (each is an argument of the op of that name).
+RECIPE_FIELDS = tuple(field.name for field in dataclasses.fields(Fp8Recipe))
+
+
 def recipe_arguments(recipe: Fp8Recipe) -> dict:
     """The op's keyword arguments that carry `recipe`."""
-    return {"scaling": recipe.scaling, "group_size": recipe.group_size, "min_amax": recipe.min_amax,
-            "scale_dtype": recipe.scale_dtype, "min_scale": recipe.min_scale, "power_of_two": recipe.power_of_two,
-            "reciprocal": recipe.reciprocal, "saturate": recipe.saturate}
+    return {name: getattr(recipe, name) for name in RECIPE_FIELDS}
 
 
 def argument(node_args: tuple, node_kwargs: dict, name: str):
-    """Argument `name` (one after the first five) of a call of the FP8 op, given positionally, by keyword
-    or left at its default."""
-    names = [n for n, _ in _LATER_ARGUMENTS]
-    index = 5 + names.index(name)
+    """Argument `name` of a call of the FP8 op (an FX node's args and kwargs), given positionally, by
+    keyword or left at its schema default."""
+    arguments = torch.ops.fxfuse.allreduce_residual_rmsnorm_fp8.default._schema.arguments
+    index = next(i for i, a in enumerate(arguments) if a.name == name)
     if len(node_args) > index:
         return node_args[index]
-    return node_kwargs.get(name, dict(_LATER_ARGUMENTS)[name])
+    return node_kwargs[name] if name in node_kwargs else arguments[index].default_value
 
 
 def recipe_of(node_args: tuple, node_kwargs: dict) -> Fp8Recipe:
     """The recipe a call of the FP8 op (an FX node's args and kwargs) quantizes with."""
-    fields = ("scaling", "group_size", "min_amax", "scale_dtype", "min_scale", "power_of_two", "reciprocal", "saturate")
-    return Fp8Recipe(*(argument(node_args, node_kwargs, name) for name in fields))
+    return Fp8Recipe(*(argument(node_args, node_kwargs, name) for name in RECIPE_FIELDS))
 
 
 def recipe_from_arguments(scaling, group_size, min_amax, scale_dtype, min_scale, power_of_two, reciprocal, saturate) -> Fp8Recipe:
