@@ -104,18 +104,20 @@ def fusion_summary(backend: FxfuseBackend) -> dict[str, int | None]:
     """What the pass did to the graph a run last compiled: the runner's JSON fields.
 
     `allreduce_sites`: all-reduces in that graph before the passes; `fused_sites`: fused ops after
-    them; `merged`: all-reduce pairs merged first; `graphs_compiled`: graphs compiled so far, the
+    them (tier a); `fast_all_reduces`: all-reduce-only ops after them (tier b, `fxfuse.passes.site_tiers`);
+    `merged`: all-reduce pairs merged first; `graphs_compiled`: graphs compiled so far, the
     passes run or loaded from Inductor's caches (with fullgraph=True, one per compile, e.g. a width-1
     step compiled apart).
     The counts are None before anything was compiled. The last graph, not a sum over compiles: each
     compile is the whole model again, so summing would count every site once per compile.
     """
     if not backend.records:
-        return {"allreduce_sites": None, "fused_sites": None, "merged": None, "graphs_compiled": 0}
+        return {"allreduce_sites": None, "fused_sites": None, "fast_all_reduces": None, "merged": None, "graphs_compiled": 0}
     stats = backend.records[-1].stats
     return {
         "allreduce_sites": stats.allreduces_before,
         "fused_sites": stats.fused,
+        "fast_all_reduces": stats.fast_all_reduces,
         "merged": stats.merged,
         "graphs_compiled": len(backend.records),
     }

@@ -204,6 +204,9 @@ def _fusion_line(summary: dict) -> str:
         line = f"fxfuse replaced {sites} with its fused op, but {what_fused_sites_run(FusionSettings(enabled=False))}"
     else:
         line = f"fxfuse fused {sites}"
+    fast = summary.get("fast_all_reduces") or 0
+    if fast:
+        line += f" ({fast} more on its fast all-reduce, add and norm left to Inductor: tier b)"
     return f"{line}; the fused op ran {summary['fused_op'] or 'nothing (no site fused)'}"
 
 

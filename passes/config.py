@@ -14,7 +14,12 @@ ALLREDUCE_RMSNORM = "allreduce_rmsnorm"
 FP8_EPILOGUE = "fp8_epilogue"
 """After 1 or 2: an FP8 quantization of the norm's output folds into the fused op (its FP8 variant)."""
 
-PATTERNS = (MERGE_ALLREDUCE, ALLREDUCE_RESIDUAL_RMSNORM, ALLREDUCE_RMSNORM, FP8_EPILOGUE)
+FAST_ALLREDUCE = "fast_allreduce"
+"""Tier (b): the all-reduce-only op (`fxfuse::all_reduce`) where a fused site's norm output feeds an
+epilogue the fused op cannot fold (the add and norm go back to Inductor), and for every summed
+all-reduce left unfused where a fused all-reduce kernel can run (`fxfuse.passes.site_tiers`)."""
+
+PATTERNS = (MERGE_ALLREDUCE, ALLREDUCE_RESIDUAL_RMSNORM, ALLREDUCE_RMSNORM, FP8_EPILOGUE, FAST_ALLREDUCE)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,10 @@ that walking back through view ops (every op whose schema says its result aliase
 before this pass runs, so a cloned residual counts as `x` itself. The kernels check for overlapping
 memory too (`fxfuse.op.reference.may_overlap`), in case some later rewrite brings the two together.
 
+The all-reduce-only op of tier (b) (`fxfuse.op.all_reduce_schema`) becomes `auto_functionalized` of its
+in-place twin `all_reduce_` the same way (its users read the written `x`, output 1), so that it all-reduces
+in x's memory exactly where Inductor's own all-reduce would, and on a copy elsewhere.
+
 Eager-inner compiles skip this pass (nothing would re-inplace there); the graphs recorded by the
 backend are those before it.
 """
@@ -28,16 +32,14 @@ import torch
 import torch.fx
 from torch._higher_order_ops.auto_functionalize import auto_functionalized
 
+from fxfuse.op.all_reduce_schema import all_reduce, all_reduce_
 from fxfuse.op.schema import DONATING_TWIN, FUSED_OPS
-
-#: Views whose schema does not declare the alias (the "unsafe" view).
-UNDECLARED_VIEWS = frozenset({torch.ops.aten._unsafe_view.default})
-
+from fxfuse.passes.pattern_support import is_view
 
 def run(graph: torch.fx.Graph) -> int:
     """Rewrite every functional fused-op call in `graph` whose `x` shares no memory with its residual
-    or weight to its donating twin; returns how many."""
-    rewritten = 0
+    or weight to its donating twin, and every all-reduce-only op to its in-place twin; returns how many."""
+    rewritten = _donate_all_reduces(graph)
     for op in FUSED_OPS:
         for node in list(graph.find_nodes(op="call_function", target=op)):
             kwargs = dict(zip([argument.name for argument in op._schema.arguments], node.args), **node.kwargs)
@@ -59,6 +61,23 @@ def run(graph: torch.fx.Graph) -> int:
     return rewritten
 
 
+def _donate_all_reduces(graph: torch.fx.Graph) -> int:
+    """Rewrite each `fxfuse.all_reduce(x, group)` to `auto_functionalized(all_reduce_, x=x, group_name=group)`,
+    its users reading output 1 (the reduced x); returns how many."""
+    nodes = list(graph.find_nodes(op="call_function", target=all_reduce))
+    for node in nodes:
+        x, group_name = node.args
+        with graph.inserting_before(node):
+            wrapped = graph.call_function(auto_functionalized, (all_reduce_,), {"x": x, "group_name": group_name})
+            reduced = graph.call_function(operator.getitem, (wrapped, 1))
+        kept = {k: v for k, v in node.meta.items() if k != "eager_input_vals"}
+        wrapped.meta = {**kept, "val": (None, x.meta["val"])}
+        reduced.meta = {**kept, "val": x.meta["val"]}
+        node.replace_all_uses_with(reduced)
+        graph.erase_node(node)
+    return len(nodes)
+
+
 def shares_memory_with_x(arguments: dict) -> bool:
     """Whether the call's residual or weight may be a view of the same memory as its `x`."""
     x_base = view_base(arguments["x"])
@@ -73,22 +92,10 @@ def view_base(node: torch.fx.Node) -> torch.fx.Node:
     such as `split`) back to the first node that is not one."""
     while isinstance(node, torch.fx.Node) and node.op == "call_function":
         source = node.args[0] if node.args else None
-        if node.target is operator.getitem and isinstance(source, torch.fx.Node) and _is_view(source):
+        if node.target is operator.getitem and isinstance(source, torch.fx.Node) and is_view(source):
             node = source
-        elif _is_view(node) and isinstance(source, torch.fx.Node):
+        elif is_view(node) and isinstance(source, torch.fx.Node):
             node = source
         else:
             break
     return node
-
-
-def _is_view(node: torch.fx.Node) -> bool:
-    """Whether `node` calls an op whose result aliases its first argument's memory."""
-    target = node.target
-    if target in UNDECLARED_VIEWS:
-        return True
-    schema = getattr(target, "_schema", None)
-    if schema is None or schema.is_mutable or not schema.returns:
-        return False
-    alias = schema.returns[0].alias_info
-    return alias is not None and not alias.is_write

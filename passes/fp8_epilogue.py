@@ -9,8 +9,10 @@ if something else reads it). `fxfuse.passes.fp8_quantization_match` recognizes t
 spellings of this project, DeepSeek-V3, vLLM, SGLang and torchao: per group, per row, static per
 tensor, power-of-two scales, reciprocal multiplies) and describes it by an `Fp8Recipe` whose
 arithmetic the op reproduces value for value. Anything else that casts the norm's output to an FP8
-dtype is left alone; the reason is kept on the fused node (`meta[FP8_REASON]`) for `fxfuse report`,
-and the site stays the plain fused op.
+dtype is left alone; the reason is kept on the fused node (`meta[FP8_REASON]`) for `fxfuse report`.
+`fxfuse.passes.site_tiers` drives it site by site (`quantization_of`, then `fold`): a site whose
+quantization cannot be folded, or whose norm output also feeds other code Inductor would fuse, goes to
+tier (b) there instead of staying the plain fused op.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from fxfuse.op.fp8_schema import allreduce_residual_rmsnorm_fp8, allreduce_residual_rmsnorm_fp8_tensor_eps, recipe_arguments
 from fxfuse.op.schema import NORM_OPS, allreduce_residual_rmsnorm_tensor_eps
 from fxfuse.passes.canonical_form import CAST, VIEW, emit_node, is_call, val
-from fxfuse.passes.config import FP8_EPILOGUE, PassConfig
 from fxfuse.passes.fp8_quantization_match import (
     RESHAPES, SQUEEZE_DIMS, UNSQUEEZE, Fp8Match, NotFused, casts_to_fp8_soon, depends_on, find_quantization,
     size_readers,
@@ -35,27 +36,37 @@ from fxfuse.passes.fp8_quantization_match import (
 FP8_REASON = "fxfuse_fp8_left_out"
 
 
-def run(graph: torch.fx.Graph, config: PassConfig) -> int:
-    """Fold every recognized FP8 quantization of a fused site's normed output (when `config` enables
-    the pattern); returns how many."""
-    if not config.enabled(FP8_EPILOGUE):
-        return 0
-    folded = 0
-    for op in NORM_OPS:
-        for fused in list(graph.find_nodes(op="call_function", target=op)):
-            normed = _output(fused, 0)
-            if normed is None or not casts_to_fp8_soon(normed):
-                continue
-            try:
-                match = find_quantization(fused, normed)
-                _rewrite(graph, fused, normed, match)
-                folded += 1
-            except NotFused as why:
-                fused.meta[FP8_REASON] = str(why)
-    return folded
+def quantization_of(fused: torch.fx.Node, normed: torch.fx.Node) -> Fp8Match | None:
+    """The FP8 quantization of a fused site's normed output that the op can fold, or None: none follows,
+    or it cannot be folded (why is kept on the fused node, `meta[FP8_REASON]`)."""
+    if not casts_to_fp8_soon(normed):
+        return None
+    try:
+        return find_quantization(fused, normed)
+    except NotFused as why:
+        fused.meta[FP8_REASON] = str(why)
+        return None
 
 
-def _output(fused: torch.fx.Node, index: int) -> torch.fx.Node | None:
+def quantization_nodes(normed: torch.fx.Node, match: Fp8Match) -> set[torch.fx.Node]:
+    """The nodes the fold would replace: the quantization's, and the casts and reshapes that only lead into it."""
+    chains = [_feed_chain(user, match.inner) for user in normed.users]
+    return set(match.inner).union({match.quantized, match.scale}, *(chain for chain in chains if chain))
+
+
+def fold(graph: torch.fx.Graph, fused: torch.fx.Node, normed: torch.fx.Node, match: Fp8Match) -> bool:
+    """Replace `fused` by the FP8 variant that also computes `match`; False (the reason kept on the fused
+    node, `meta[FP8_REASON]`) when the rewrite finds it cannot."""
+    try:
+        _rewrite(graph, fused, normed, match)
+    except NotFused as why:
+        fused.meta[FP8_REASON] = str(why)
+        return False
+    return True
+
+
+def output(fused: torch.fx.Node, index: int) -> torch.fx.Node | None:
+    """The `getitem` reading output `index` of `fused`, if any."""
     return next((u for u in fused.users if u.target is operator.getitem and u.args[1] == index), None)
 
 
@@ -89,7 +100,7 @@ def _rewrite(graph: torch.fx.Graph, fused: torch.fx.Node, normed: torch.fx.Node,
     new = emit_node(graph, op, args, before=fused, meta_from=fused)
     outputs = [emit_node(graph, operator.getitem, (new, i), before=fused, meta_from=fused) for i in range(4)]
     quantized, scales, residual_out, new_normed = outputs
-    old_residual = _output(fused, 1)
+    old_residual = output(fused, 1)
     if old_residual is not None:
         old_residual.replace_all_uses_with(residual_out)
     _replace(graph, match.quantized, quantized, plans[match.quantized])

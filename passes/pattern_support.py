@@ -112,3 +112,16 @@ def _keeps_the_default(node: torch.fx.Node, key: str, value) -> bool:
         return True
     source = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], torch.fx.Node) else None
     return key == "dtype" and isinstance(source, torch.Tensor) and source.dtype == value
+
+
+def is_view(node: torch.fx.Node) -> bool:
+    """Whether `node` calls an op whose result aliases its first argument's memory: its schema says so
+    (and that it does not write it), or it is `_unsafe_view`, whose schema does not declare the alias."""
+    target = node.target
+    if target is torch.ops.aten._unsafe_view.default:
+        return True
+    schema = getattr(target, "_schema", None)
+    if node.op != "call_function" or schema is None or schema.is_mutable or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write

@@ -22,8 +22,10 @@ from fxfuse.op.fp8_recipe import Fp8Recipe, quantize_fp8, rounded_to, scale_shap
 from fxfuse.op.fp8_schema import FP8_OPS, allreduce_residual_rmsnorm_fp8, recipe_of
 from fxfuse.op.reference import add_rmsnorm
 from fxfuse.op.schema import NORM_OPS
-from fxfuse.passes.config import FP8_EPILOGUE, PATTERNS
+from fxfuse.op.all_reduce_schema import all_reduce
+from fxfuse.passes.config import FAST_ALLREDUCE, FP8_EPILOGUE, PATTERNS
 from fxfuse.passes.fp8_epilogue import FP8_REASON
+from fxfuse.passes.site_tiers import TIER_REASON
 from fxfuse.runner.launch import run_on_ranks
 
 FP8 = torch.float8_e4m3fn
@@ -336,19 +338,33 @@ TOKENS_AS_HIDDEN = {"scale_on_the_wrong_axis"}
 
 
 @pytest.mark.parametrize("name", LEFT_OUT)
-def test_a_quantization_left_out_keeps_the_site_fused_and_says_why(name):
+def test_a_quantization_left_out_moves_the_site_to_tier_b_and_says_why(name):
+    """The unfolded quantization is code Inductor fuses into the norm: the site gets the all-reduce-only op and
+    Inductor the add, norm and quantization (issue 31); without that tier it stays fused, the reason on it."""
     quantize, reason = LEFT_OUT[name]
     inputs = _inputs(0, tokens=HIDDEN if name in TOKENS_AS_HIDDEN else 4)
     stats, graph = _compile_on_fake_group(lambda x, r, w, group: block(x, r, w, group, quantize), *inputs)
-    assert (stats.fused, stats.fp8_quantizations_folded) == (1, 0)
+    assert (stats.fused, stats.fp8_quantizations_folded, stats.fast_all_reduces) == (0, 0, 1)
+    (fast,) = graph.find_nodes(op="call_function", target=all_reduce)
+    assert "Inductor fuses" in fast.meta[TIER_REASON], fast.meta[TIER_REASON]
+    if name != "divisor_from_the_norm":  # its divisor reads the norm too: that reader is named instead
+        assert reason in fast.meta[TIER_REASON], fast.meta[TIER_REASON]
+    stats, graph = _compile_on_fake_group(lambda x, r, w, group: block(x, r, w, group, quantize), *inputs,
+                                          patterns=[p for p in PATTERNS if p != FAST_ALLREDUCE])
+    assert (stats.fused, stats.fp8_quantizations_folded, stats.fast_all_reduces) == (1, 0, 0)
     (fused,) = [n for n in graph.nodes if str(n.target) == "fxfuse.allreduce_residual_rmsnorm.default"]
     assert reason in fused.meta[FP8_REASON], fused.meta[FP8_REASON]
 
 
 def test_the_pattern_can_be_disabled():
+    """Without the FP8 epilogue the quantization is one more epilogue: tier (b), or fused without tier (b)."""
+    without_fp8 = [p for p in PATTERNS if p != FP8_EPILOGUE]
     stats, _ = _compile_on_fake_group(lambda x, r, w, g: block(x, r, w, g, per_group_deepseek), *_inputs(0),
-                                      patterns=[p for p in PATTERNS if p != FP8_EPILOGUE])
-    assert (stats.fused, stats.fp8_quantizations_folded) == (1, 0)
+                                      patterns=without_fp8)
+    assert (stats.fused, stats.fp8_quantizations_folded, stats.fast_all_reduces) == (0, 0, 1)
+    stats, _ = _compile_on_fake_group(lambda x, r, w, g: block(x, r, w, g, per_group_deepseek), *_inputs(0),
+                                      patterns=[p for p in without_fp8 if p != FAST_ALLREDUCE])
+    assert (stats.fused, stats.fp8_quantizations_folded, stats.fast_all_reduces) == (1, 0, 0)
 
 
 # ---------------------------------------------------------------- numerics on two gloo ranks
@@ -406,8 +422,8 @@ def test_a_flattened_grouping_of_a_symbolic_width_is_left_out(name):
         capture, _ = compile_and_run(lambda x, r, w: block(x, r, w, group.group_name, SPELLINGS[name][0]), *_inputs(0),
                                      backend=GraphCapture(patterns=PATTERNS), dynamic=True)
         (graph,) = capture.graphs
-    (fused,) = [n for n in graph.graph.nodes if n.target in NORM_OPS]
-    assert DYNAMIC_UNFOLDED[name] in fused.meta[FP8_REASON], fused.meta[FP8_REASON]
+    (fast,) = graph.graph.find_nodes(op="call_function", target=all_reduce)  # tier (b): Inductor quantizes
+    assert DYNAMIC_UNFOLDED[name] in fast.meta[TIER_REASON], fast.meta[TIER_REASON]
 
 
 @pytest.mark.slow
@@ -514,8 +530,9 @@ def test_report_compiled_says_whether_each_sites_quantization_was_fused():
 
     with fake_process_group() as group:
         report = report_compiled(two_sites, *_inputs(0), group.group_name)
-    assert [row.fp8 for row in report.sites] == [
-        "fused: per_group 128, no clamp", "left out: `clamp_max` clamps to [None, 240.0], not to [-448, 448] before the FP8 cast"]
+    assert [row.fp8 for row in report.sites] == ["fused: per_group 128, no clamp", None]
+    assert [row.tier for row in report.sites] == ["a", "b"]
+    assert "`clamp_max` clamps to [None, 240.0], not to [-448, 448] before the FP8 cast" in report.sites[1].reason
     assert "[FP8 quantization fused: per_group 128, no clamp]" in report.table()
 
 

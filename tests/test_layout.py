@@ -32,7 +32,7 @@ FORBIDDEN = {
 #: The parts of fxfuse.op, lowest first, by the modules (or sub-packages) each holds: the op's contract
 #: (its definition and reference arithmetic), the decision, fxfuse's own kernels, the runtime.
 OP_PARTS = {
-    "contract": ("fxfuse.op", "fxfuse.op.schema", "fxfuse.op.fp8_schema", "fxfuse.op.fp8_recipe", "fxfuse.op.reference"),
+    "contract": ("fxfuse.op", "fxfuse.op.schema", "fxfuse.op.fp8_schema", "fxfuse.op.all_reduce_schema", "fxfuse.op.fp8_recipe", "fxfuse.op.reference"),
     "decide": ("fxfuse.op.decide",),
     "kernels": ("fxfuse.op.kernels",),
     "runtime": ("fxfuse.op.runtime",),

@@ -20,7 +20,8 @@ from fxfuse.runner.launch import run_on_ranks
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler on this machine")
 OVERLOADS = ("allreduce_residual_rmsnorm", "allreduce_residual_rmsnorm.tensor_eps",
-             "allreduce_residual_rmsnorm.donate_x", "allreduce_residual_rmsnorm.donate_x_tensor_eps")
+             "allreduce_residual_rmsnorm.donate_x", "allreduce_residual_rmsnorm.donate_x_tensor_eps",
+             "all_reduce", "all_reduce_")
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +113,44 @@ def test_registered_shapes_run_in_cpp_with_the_python_plans_values(native_cache)
     torch.testing.assert_close(rank0["after_forget"], add_rmsnorm(case0["x"] + case1["x"], case0["residual"], case0["weight"], 1e-5))
     assert rank0["cpp_calls_after_forget"] == 12
     assert rank0["cpp_calls_after_reset"] == 0
+
+
+def _native_all_reduce_on_rank(ctx):
+    """The all-reduce-only op: Python decides each shape once (an NCCL plan, registered with C++), then C++
+    runs its calls, functional (a copy) and in place (x itself)."""
+    from fxfuse.op.runtime import cuda_dispatch
+    from fxfuse.op.runtime.plans import fusion_stats
+    from fxfuse.op.runtime.registration import install_native_fallback
+
+    name = use_nccl_plans(ctx)
+    out = {"installed": install_native_fallback(), "cases": []}
+    run = torch.ops.fxfuse_native.run_all_reduce
+    for dtype, shape in ((torch.float32, (5, 64)), (torch.bfloat16, (2, 3, 96))):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(20 + ctx.rank)).to(dtype)
+        python = cuda_dispatch.all_reduce_cuda(x, name, False)  # decides, registers
+        before = x.clone()
+        functional = run(x, name, False)
+        in_place = x.clone()
+        returned = run(in_place, name, True)
+        strided = x.transpose(0, 1).contiguous().transpose(0, 1)  # x's values, not contiguous: reduced via a copy
+        run(strided, name, True)
+        out["cases"].append(dict(x=x, python=python, functional=functional, in_place=in_place, strided=strided,
+                                 same_memory=returned.data_ptr() == in_place.data_ptr(), x_kept=torch.equal(x, before)))
+    out["stats"] = fusion_stats()["all_reduce"]
+    return out
+
+
+@pytest.mark.slow
+def test_all_reduce_only_shapes_run_in_cpp(native_cache):
+    rank0, rank1 = run_on_ranks(_native_all_reduce_on_rank, 2, timeout_s=300)
+    assert rank0["installed"]
+    for case0, case1 in zip(rank0["cases"], rank1["cases"]):
+        reduced = case0["x"] + case1["x"]
+        for key in ("python", "functional", "in_place", "strided"):
+            torch.testing.assert_close(case0[key], reduced, rtol=0, atol=0, msg=key)
+        assert case0["same_memory"] and case0["x_kept"]
+    # 2 shapes decided once each in Python (1 call each), 3 more calls each in C++: 8, all on NCCL's plan
+    assert sum(rank0["stats"].values()) == 8 and {mode for (_, mode, _, _) in rank0["stats"]} == {"fallback"}
 
 
 def _install_report(env: dict) -> list[str]:

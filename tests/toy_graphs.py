@@ -226,9 +226,11 @@ class GraphCapture(FxfuseBackend):
         super().__init__(inner="eager", patterns=patterns)
         self.graphs: list[torch.fx.GraphModule] = []
 
-    def rewrite(self, graph: torch.fx.Graph) -> None:
-        super().rewrite(graph)
+    def rewrite(self, graph: torch.fx.Graph):
+        decisions = super().rewrite(graph)
         self.graphs.append(graph.owning_module)
+        self.site_decisions = decisions  # of the last graph
+        return decisions
 
 
 def post_grad_graph(fn: Callable, *args, **compile_kwargs) -> torch.fx.GraphModule:

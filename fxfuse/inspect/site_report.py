@@ -63,7 +63,9 @@ class SiteRow:
     `reason`: why it is not fused (None when fused); `graph`: which compiled graph (pass run) it is in;
     `collective`: `all_reduce` or `reduce_scatter`; `fp8`: for a fused site whose normed output is
     quantized to FP8, whether the quantization was folded into the op ("fused: <scaling>") or why not
-    ("left out: <reason>"); None when no quantization follows.
+    ("left out: <reason>"); None when no quantization follows; `tier`: "a" (fused), "b" (the
+    all-reduce-only op, add and norm left to Inductor) or "c" (Inductor's all-reduce), as
+    `fxfuse.passes.site_tiers` describes them.
     """
 
     index: int
@@ -76,6 +78,7 @@ class SiteRow:
     graph: int = 0
     collective: str = "all_reduce"
     fp8: str | None = None
+    tier: str = "c"
 
 
 @dataclass(frozen=True)
@@ -109,20 +112,21 @@ class FusionReport:
 
     def table(self) -> str:
         """One line per site, what fused sites run (when known), then the totals."""
-        lines = [f"{'#':>4}  {'layer':>5}  {'block':<10}  {'fused':<6}  module / reason"]
+        lines = [f"{'#':>4}  {'layer':>5}  {'block':<10}  {'fused':<6}  {'tier':<4}  module / reason"]
         several_graphs = any(row.graph for row in self.sites)
         for row in self.sites:
             layer = "-" if row.layer is None else str(row.layer)
             fused = ("merged" if row.merged else "yes") if row.fused else "NO"
             number = f"{row.graph}:{row.index}" if several_graphs else str(row.index)
-            lines.append(f"{number:>4}  {layer:>5}  {row.block:<10}  {fused:<6}  {row.module}"
+            lines.append(f"{number:>4}  {layer:>5}  {row.block:<10}  {fused:<6}  {row.tier:<4}  {row.module}"
                          + ("" if row.reason is None else f": {row.reason}")
                          + ("" if row.fp8 is None else f" [FP8 quantization {row.fp8}]"))
         if self.runtime:
             lines.append(self.runtime)
         lines.append(
             f"{self.model} ({self.layers} layers, tp={self.tp}, {self.dtype}): {self.fused_sites} of "
-            f"{self.allreduce_sites} all-reduce sites fused ({self.fused_ops} fused ops, {self.merged} merges); "
+            f"{self.allreduce_sites} all-reduce sites fused ({self.fused_ops} fused ops, {self.merged} merges), "
+            f"tiers a/b/c: {'/'.join(str(sum(row.tier == t for row in self.sites)) for t in 'abc')}; "
             f"trace {self.trace_seconds:.1f} s, pass {self.pass_seconds:.2f} s"
         )
         return "\n".join(lines)
@@ -199,7 +203,8 @@ def _site_row(index: int, decision: SiteDecision) -> SiteRow:
     """The row of an all-reduce site, located by the node whose value it reduced."""
     layer, block, module = site_location(decision.producer)
     fp8 = None if decision.fused_into is None else fp8_note(decision.fused_into)
-    return SiteRow(index, layer, block, module, decision.fused, decision.merged, decision.reason, fp8=fp8)
+    return SiteRow(index, layer, block, module, decision.fused, decision.merged, decision.reason, fp8=fp8,
+                   tier=decision.tier)
 
 
 def fp8_note(site: torch.fx.Node) -> str | None:

@@ -1,7 +1,8 @@
 """The fused collective+norm op `fxfuse::allreduce_residual_rmsnorm` and every implementation of it.
 
 Here, the op's contract: `schema` defines the op and its fake kernel (`fp8_schema` its FP8 variant, whose
-quantization `fp8_recipe` describes); `reference` holds the arithmetic every kernel reproduces. Below
+quantization `fp8_recipe` describes; `all_reduce_schema` the all-reduce-only op of tier (b), which the
+same decisions and plans run); `reference` holds the arithmetic every kernel reproduces. Below
 it, one sub-package per concern, and a call goes through them in one direction: `decide` says which
 implementation runs a call shape, from values every rank agrees on; `runtime` makes the plan for that
 shape once (the decision, its workspace, one agreement round), caches it and launches it, on

@@ -1,9 +1,10 @@
 """What the passes did, through Python logging: the `fxfuse` logging component.
 
-- WARNING, shown by default: once per compiled graph that keeps all-reduce sites unfused (a graph
-  Inductor loaded from its cache too, from its record): sites found, fused, and the most common
-  reason, whose sentence ends with the fix where the passes know one (`compile under
-  torch.no_grad() ...` for a graph compiled with grad enabled).
+- WARNING, shown by default: once per compiled graph that leaves all-reduce sites to Inductor's own
+  all-reduce (tier (c); a graph Inductor loaded from its cache too, from its record): sites found,
+  fused, on the all-reduce-only op (tier (b)), and the most common reason, whose sentence ends with the
+  fix where the passes know one (`compile under torch.no_grad() ...` for a graph compiled with grad
+  enabled). A graph whose unfused sites are all in tier (b) says the same at INFO: that is a choice.
 - INFO, with `TORCH_LOGS=fxfuse`: a line per all-reduce site of each graph the passes rewrite (fused
   into which op, or why not), and the count for a graph where every site fused.
 - DEBUG, with `TORCH_LOGS=+fxfuse`: each graph's diff (`CompileRecord.diff`).
@@ -49,6 +50,8 @@ def log_sites(decisions: tuple[SiteDecision, ...]) -> None:
         if decision.fused:
             how = "merged with another site, then fused" if decision.merged else "fused"
             log.info("%s %s into `%s`", site, how, decision.fused_into.name)
+        elif decision.tier == "b":
+            log.info("%s on the all-reduce-only op (tier b), add and norm left to Inductor: %s", site, decision.reason)
         else:
             log.info("%s not fused: %s", site, decision.reason)
 
@@ -60,9 +63,11 @@ def log_record(record: CompileRecord) -> None:
     loaded = " (loaded from Inductor's cache)" if record.from_cache else ""
     if record.unfused is not None:
         unfused = record.unfused
-        log.warning("fxfuse fused %d of %d all-reduce sites%s%s. Most common reason (%d of the %d unfused): %s. "
-                    "TORCH_LOGS=fxfuse lists every site.", found - unfused.count, found, _graph(), loaded,
-                    unfused.with_reason, unfused.count, unfused.reason)
+        level = logging.WARNING if unfused.count > unfused.fast else logging.INFO
+        log.log(level, "fxfuse fused %d of %d all-reduce sites%s%s; %d of the others run the all-reduce-only op "
+                "(tier b). Most common reason (%d of the %d unfused): %s. TORCH_LOGS=fxfuse lists every site.",
+                found - unfused.count, found, _graph(), loaded, unfused.fast, unfused.with_reason, unfused.count,
+                unfused.reason)
     elif found:
         log.info("fxfuse fused all %d all-reduce sites%s%s", found, _graph(), loaded)
     if log.isEnabledFor(logging.DEBUG):

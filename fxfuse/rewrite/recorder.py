@@ -18,7 +18,7 @@ import torch.fx
 from torch._dynamo.utils import counters
 
 from fxfuse.op.runtime.registration import install_native_fallback
-from fxfuse.passes import allreduce_rmsnorm_fusion, fp8_epilogue, merge_allreduce
+from fxfuse.passes import allreduce_rmsnorm_fusion, merge_allreduce, site_tiers
 from fxfuse.passes.config import PATTERNS, PassConfig
 from fxfuse.rewrite.graph_diff import snapshot
 from fxfuse.rewrite.log import log_record, log_sites
@@ -54,7 +54,7 @@ class FusionRecorder:
         before = snapshot(graph)
         merged = merge_allreduce.run(graph, self.config)
         allreduce_rmsnorm_fusion.run(graph, self.config)
-        fp8_epilogue.run(graph, self.config)
+        site_tiers.run(graph, self.config)
         after = snapshot(graph, previous=before)
         if fused_sites_on_cuda(graph):
             install_native_fallback()  # the fused op's C++ fallback, before the graph first runs

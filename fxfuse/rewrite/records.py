@@ -40,6 +40,7 @@ import torch
 import torch.fx
 from torch._dynamo.utils import counters
 
+from fxfuse.op.all_reduce_schema import all_reduce
 from fxfuse.op.fp8_schema import FP8_OPS
 from fxfuse.op.schema import FUSED_OPS
 from fxfuse.rewrite.graph_diff import GraphSnapshot, render_diff
@@ -56,7 +57,8 @@ class FusionStats:
     `allreduces_before`/`allreduces_after`: all-reduce nodes in the graph before/after the passes;
     `merged`: pairs merged by pattern 3; `fused_with_residual`/`fused_without_residual`: fused-op
     sites of pattern 1/2 in the rewritten graph; `fp8_quantizations_folded`: those of them that also
-    quantize their normed output to FP8 (the FP8 epilogue).
+    quantize their normed output to FP8 (the FP8 epilogue); `fast_all_reduces`: all-reduce-only ops of
+    tier (b) (`fxfuse.passes.site_tiers`); what is left, `allreduces_after`, is tier (c).
     """
 
     allreduces_before: int
@@ -65,6 +67,7 @@ class FusionStats:
     fused_without_residual: int
     allreduces_after: int
     fp8_quantizations_folded: int = 0
+    fast_all_reduces: int = 0
 
     @property
     def fused(self) -> int:
@@ -76,11 +79,13 @@ class FusionStats:
 class UnfusedSites:
     """The all-reduce sites one pass run left unfused: `count` of them, the most common `reason` (one
     site's sentence, the nodes it names being that site's) and `with_reason`, how many sites it stops
-    (those whose reasons differ only in the nodes named, `fxfuse.passes.unfused_reasons.reason_kind`)."""
+    (those whose reasons differ only in the nodes named, `fxfuse.passes.unfused_reasons.reason_kind`);
+    `fast`: how many of them run the all-reduce-only op (tier (b)) rather than Inductor's (tier (c))."""
 
     count: int
     reason: str
     with_reason: int
+    fast: int = 0
 
 
 @dataclass(frozen=True)
@@ -118,12 +123,14 @@ def fusion_stats(graph: torch.fx.Graph, before: GraphSnapshot, after: GraphSnaps
         fused_without_residual=without_residual,
         allreduces_after=after.op_counts[ALL_REDUCE_OP],
         fp8_quantizations_folded=sum(len(graph.find_nodes(op="call_function", target=op)) for op in FP8_OPS),
+        fast_all_reduces=len(graph.find_nodes(op="call_function", target=all_reduce)),
     )
 
 
 def fused_sites_on_cuda(graph: torch.fx.Graph) -> bool:
-    """Whether a fused op of the rewritten graph takes a CUDA tensor (from the nodes' fake values)."""
-    for op in FUSED_OPS:
+    """Whether a fused op or all-reduce-only op of the rewritten graph takes a CUDA tensor (from the nodes'
+    fake values)."""
+    for op in (*FUSED_OPS, all_reduce):
         for node in graph.find_nodes(op="call_function", target=op):
             value = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
             if isinstance(value, torch.Tensor) and value.device.type == "cuda":

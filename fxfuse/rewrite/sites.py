@@ -3,8 +3,9 @@
 `sites_before(graph)` notes the sites before the passes run: each all-reduce, the node whose value
 it reduces (a pass that erases the all-reduce clears its arguments) and every node of the graph then.
 `site_decisions(graph, before, config)` follows each site into the rewritten graph, by the node it
-reduced: into a fused op, directly or through the merge pass's new sum of partial results, or to
-an all-reduce left over, which `explain_unfused` explains once however many merged sites it holds.
+reduced: into a fused op (tier (a)), directly or through the merge pass's new sum of partial results,
+into an all-reduce-only op (tier (b), whose node keeps why the site is not fused), or to an all-reduce
+left over (tier (c)), which `explain_unfused` explains once however many merged sites it holds.
 `unfused_sites(decisions)` sums up those left unfused for the record (`UnfusedSites`).
 """
 
@@ -15,9 +16,11 @@ from dataclasses import dataclass
 
 import torch.fx
 
+from fxfuse.op.all_reduce_schema import all_reduce
 from fxfuse.op.schema import FUSED_OPS
 from fxfuse.passes.config import PassConfig
 from fxfuse.passes.pattern_support import ALL_REDUCE
+from fxfuse.passes.site_tiers import TIER_REASON
 from fxfuse.passes.unfused_reasons import explain_unfused, reason_kind
 from fxfuse.rewrite.records import UnfusedSites
 
@@ -38,7 +41,9 @@ class SiteDecision:
 
     `all_reduce`: the name of the site's all-reduce node before the passes; `producer`: the node whose
     value it reduced; `fused_into`: the fused op that now holds the site, or None; `merged`: reduced
-    together with another site first (pattern 3); `reason`: why it is not fused (None when fused).
+    together with another site first (pattern 3); `reason`: why it is not fused (None when fused);
+    `tier`: "a" (fused), "b" (the all-reduce-only op, add and norm left to Inductor) or "c" (Inductor's
+    own all-reduce), as `fxfuse.passes.site_tiers` describes them.
     """
 
     all_reduce: str
@@ -46,6 +51,7 @@ class SiteDecision:
     fused_into: torch.fx.Node | None
     merged: bool
     reason: str | None
+    tier: str = "c"
 
     @property
     def fused(self) -> bool:
@@ -69,14 +75,21 @@ def site_decisions(graph: torch.fx.Graph, before: SitesBefore, config: PassConfi
             originals = _original_inputs(site.args[0], before.nodes)
             fused_into.update(dict.fromkeys(originals, site))
             merged.update(originals if len(originals) > 1 else ())
+    fast: set[torch.fx.Node] = set()
     for left in graph.find_nodes(op="call_function", target=ALL_REDUCE):
         originals = _original_inputs(left.args[0], before.nodes)
         merged.update(originals if len(originals) > 1 else ())
         reasons.update(dict.fromkeys(originals, explain_unfused(left, config)))
+    for left in graph.find_nodes(op="call_function", target=all_reduce):
+        originals = _original_inputs(left.args[0], before.nodes)
+        merged.update(originals if len(originals) > 1 else ())
+        reasons.update(dict.fromkeys(originals, left.meta.get(TIER_REASON, "no reason recorded")))
+        fast.update(originals)
     return tuple(
-        SiteDecision(all_reduce.name, producer, fused_into.get(producer), producer in merged,
-                     None if producer in fused_into else reasons.get(producer, "not found in the rewritten graph"))
-        for all_reduce, producer in zip(before.all_reduces, before.producers)
+        SiteDecision(all_reduce_node.name, producer, fused_into.get(producer), producer in merged,
+                     None if producer in fused_into else reasons.get(producer, "not found in the rewritten graph"),
+                     "a" if producer in fused_into else "b" if producer in fast else "c")
+        for all_reduce_node, producer in zip(before.all_reduces, before.producers)
     )
 
 
@@ -88,7 +101,8 @@ def unfused_sites(decisions: tuple[SiteDecision, ...]) -> UnfusedSites | None:
         return None
     kinds = Counter(reason_kind(reason) for reason in reasons)
     kind, with_reason = kinds.most_common(1)[0]
-    return UnfusedSites(len(reasons), next(reason for reason in reasons if reason_kind(reason) == kind), with_reason)
+    return UnfusedSites(len(reasons), next(reason for reason in reasons if reason_kind(reason) == kind), with_reason,
+                        sum(decision.tier == "b" for decision in decisions))
 
 
 def _original_inputs(node: torch.fx.Node, before: frozenset[torch.fx.Node]) -> list[torch.fx.Node]:

@@ -41,7 +41,8 @@ class CompiledStep:
         """`fxfuse.backend.fusion_summary` of the fxfuse backend (the last compiled graph's
         all-reduce and fused sites, merged pairs, graphs compiled); all None for other backends."""
         if self.fxfuse_backend is None:
-            return {"allreduce_sites": None, "fused_sites": None, "merged": None, "graphs_compiled": None}
+            return {"allreduce_sites": None, "fused_sites": None, "fast_all_reduces": None, "merged": None,
+                    "graphs_compiled": None}
         from fxfuse.backend import fusion_summary
 
         return fusion_summary(self.fxfuse_backend)

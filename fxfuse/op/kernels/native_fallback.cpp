@@ -19,6 +19,11 @@
 // of `fxfuse::allreduce_residual_rmsnorm`; `fxfuse_native::run` is the same path as a plain op (tests
 // drive it with CPU tensors and gloo).
 //
+// The all-reduce-only ops of tier (b) (`fxfuse::all_reduce`, `fxfuse::all_reduce_`) run here the same way:
+// shapes Python registered with `fxfuse_native::register_all_reduce` (its NCCL plan) issue Inductor's own
+// calls (`all_reduce_` and `wait_tensor`, on x itself for the in-place op, else on a contiguous copy),
+// every other call goes back to `fxfuse::all_reduce_planned` / `all_reduce_planned_` in Python.
+//
 // Arithmetic is exactly the Python plan's: all-reduce sum into x's memory when x is donated,
 // contiguous, 16-byte aligned and shares no memory with the residual or weight (else into a
 // contiguous copy), then the add-RMSNorm kernel writing a
@@ -46,6 +51,8 @@ namespace {
 
 constexpr int64_t kAlignment = 16;
 constexpr int8_t kNoResidual = -1;
+// The weight dtype of an all-reduce-only op's shape key (it has no weight).
+constexpr int8_t kAllReduceOnly = -2;
 
 // Folds `parts` into `seed`: the hash of a key made of a few integers.
 size_t combined_hash(size_t seed, std::initializer_list<int64_t> parts) {
@@ -270,6 +277,42 @@ std::tuple<at::Tensor, at::Tensor> run_shape(const at::Tensor& x, const std::opt
   return {normed, residual_out};
 }
 
+// The all-reduce-only op: Inductor's calls for a registered shape (into x when `in_place`), else Python's plan.
+at::Tensor all_reduce_shape(const at::Tensor& x, const std::string& group, bool in_place) {
+  const int64_t hidden = x.dim() ? x.size(-1) : 1;
+  const ShapeKey key{group, hidden ? x.numel() / hidden : 0, hidden, dtype_code(x.scalar_type()), kAllReduceOnly,
+                     kNoResidual};
+  std::atomic<int64_t>* counter = key.tokens != 0 ? counter_of(key) : nullptr;
+  if (counter == nullptr) {
+    static const c10::OperatorHandle planned = op_handle("fxfuse::all_reduce_planned", "");
+    static const c10::OperatorHandle planned_in_place = op_handle("fxfuse::all_reduce_planned_", "");
+    torch::jit::Stack stack{x, group};
+    (in_place ? planned_in_place : planned).redispatchBoxed(backend_keys(x), &stack);
+    return in_place ? x : stack[0].toTensor();
+  }
+  static const c10::OperatorHandle all_reduce_ = op_handle("_c10d_functional::all_reduce_", "");
+  static const c10::OperatorHandle wait_tensor = op_handle("_c10d_functional::wait_tensor", "");
+  at::Tensor target = in_place && x.is_contiguous() ? x : x.clone(at::MemoryFormat::Contiguous);
+  torch::jit::Stack stack{target, std::string("sum"), group};
+  all_reduce_.callBoxed(&stack);
+  stack = {target};
+  wait_tensor.callBoxed(&stack);
+  if (in_place && !target.is_same(x)) x.copy_(target);
+  counter->fetch_add(1, std::memory_order_relaxed);
+  return in_place ? x : target;
+}
+
+template <bool in_place>
+void all_reduce_boxed(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  // Arguments: x, group_name.
+  auto args = torch::jit::last(*stack, 2);
+  const at::Tensor x = args[0].toTensor();
+  const std::string group = args[1].toStringRef();
+  torch::jit::drop(*stack, 2);
+  at::Tensor reduced = all_reduce_shape(x, group, in_place);
+  if (!in_place) stack->emplace_back(std::move(reduced));
+}
+
 template <bool donated>
 void run_boxed(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   // Arguments: x, residual (None or Tensor), weight, eps (float, or a 0-dim CPU tensor), group_name,
@@ -289,12 +332,11 @@ void run_boxed(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   stack->emplace_back(std::move(residual_out));
 }
 
-int64_t register_nccl(std::string group, int64_t tokens, int64_t hidden, at::ScalarType x_dtype,
-                      at::ScalarType weight_dtype, std::optional<at::ScalarType> residual_dtype) {
-  const ShapeKey key{group, tokens, hidden, dtype_code(x_dtype), dtype_code(weight_dtype),
-                     residual_dtype.has_value() ? dtype_code(*residual_dtype) : kNoResidual};
-  const auto group_now = current_group(group);
-  TORCH_CHECK(group_now, "fxfuse: no process group is named ", group);
+// Registers `key` for the process group its name means now; returns its call counter's index (the
+// existing one when the same group registered it before).
+int64_t register_key(const ShapeKey& key) {
+  const auto group_now = current_group(key.group);
+  TORCH_CHECK(group_now, "fxfuse: no process group is named ", key.group);
   std::lock_guard<std::mutex> lock(registry_mutex);
   auto found = nccl_shapes.find(key);
   if (found != nccl_shapes.end() && found->second.group.lock().get() == group_now.get()) {
@@ -304,6 +346,18 @@ int64_t register_nccl(std::string group, int64_t tokens, int64_t hidden, at::Sca
   const size_t index = call_counts.size() - 1;
   nccl_shapes.insert_or_assign(key, Registration{index, c10::weak_intrusive_ptr<c10d::ProcessGroup>(group_now)});
   return static_cast<int64_t>(index);
+}
+
+int64_t register_nccl(std::string group, int64_t tokens, int64_t hidden, at::ScalarType x_dtype,
+                      at::ScalarType weight_dtype, std::optional<at::ScalarType> residual_dtype) {
+  const ShapeKey key{group, tokens, hidden, dtype_code(x_dtype), dtype_code(weight_dtype),
+                     residual_dtype.has_value() ? dtype_code(*residual_dtype) : kNoResidual};
+  return register_key(key);
+}
+
+int64_t register_all_reduce(std::string group, int64_t tokens, int64_t hidden, at::ScalarType dtype) {
+  const ShapeKey key{group, tokens, hidden, dtype_code(dtype), kAllReduceOnly, kNoResidual};
+  return register_key(key);
 }
 
 void register_norm_launch(int64_t device, int64_t hidden, at::ScalarType x_dtype, at::ScalarType weight_dtype,
@@ -345,6 +399,8 @@ void install() {
   library->impl("allreduce_residual_rmsnorm.donate_x", torch::CppFunction::makeFromBoxedFunction<&run_boxed<true>>());
   library->impl("allreduce_residual_rmsnorm.donate_x_tensor_eps",
                 torch::CppFunction::makeFromBoxedFunction<&run_boxed<true>>());
+  library->impl("all_reduce", torch::CppFunction::makeFromBoxedFunction<&all_reduce_boxed<false>>());
+  library->impl("all_reduce_", torch::CppFunction::makeFromBoxedFunction<&all_reduce_boxed<true>>());
   installed.push_back(std::move(library));
 }
 
@@ -353,6 +409,9 @@ std::tuple<at::Tensor, at::Tensor> run(at::Tensor x, std::optional<at::Tensor> r
                                        std::string group, bool donated, double weight_offset, bool weight_in_fp32) {
   return run_shape(x, residual, weight, eps, group, donated, weight_offset, weight_in_fp32);
 }
+
+// `fxfuse_native::run_all_reduce`: the all-reduce-only path called directly (tests drive it with CPU tensors).
+at::Tensor run_all_reduce(at::Tensor x, std::string group, bool in_place) { return all_reduce_shape(x, group, in_place); }
 
 }  // namespace
 
@@ -364,10 +423,12 @@ TORCH_LIBRARY(fxfuse_native, m) {
   m.def("register_norm_launch(int device, int hidden, ScalarType x_dtype, ScalarType weight_dtype, "
         "ScalarType? residual_dtype, int function, int threads, int shared_bytes) -> ()",
         &register_norm_launch);
+  m.def("register_all_reduce(str group_name, int tokens, int hidden, ScalarType dtype) -> int", &register_all_reduce);
   m.def("forget(str? group_name) -> ()", &forget);
   m.def("call_counts() -> int[]", &counts);
   m.def("reset_counts() -> ()", &reset_counts);
   m.def("run(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name, bool x_donated, "
         "float weight_offset=0., bool weight_in_fp32=False) -> (Tensor, Tensor)",
         &run);
+  m.def("run_all_reduce(Tensor x, str group_name, bool in_place) -> Tensor", &run_all_reduce);
 }

@@ -13,7 +13,10 @@ what the C++ path is told and counts:
   is registered (`offer_norm_kernel`, called when the kernel is first compiled), else through
   `fxfuse::add_rmsnorm_into`;
 - every other call goes to `fxfuse::allreduce_residual_rmsnorm_planned`, the Python kernel that
-  decides, makes plans and runs FlashInfer's kernels, as before.
+  decides, makes plans and runs FlashInfer's kernels, as before;
+- the all-reduce-only ops (`fxfuse.op.all_reduce_schema`) likewise: shapes registered with
+  `register_all_reduce_shape` issue Inductor's `all_reduce_` and `wait_tensor` from C++, others go to
+  `fxfuse::all_reduce_planned` / `all_reduce_planned_`.
 Both compute the same values with the same kernels. Calls the C++ path runs are counted in C++ and
 reported by `fusion_stats` under the reason of the plan they came from.
 """
@@ -26,8 +29,11 @@ import torch
 
 from fxfuse.op.kernels.triton_launch import driver_launch, launch_hooks_installed
 
-#: Reason of each shape registered with the C++ path, by its counter's index.
+#: Reason of each fused-op shape registered with the C++ path, by its counter's index.
 _REASONS: dict[int, str] = {}
+#: Key of each all-reduce-only shape registered with the C++ path, by its counter's index: (group, "fallback",
+#: hidden, dtype), as `fxfuse.op.runtime.plans.fusion_stats` counts them.
+_ALL_REDUCE_KEYS: dict[int, tuple] = {}
 #: Whether the C++ kernel serves the public overloads' CUDA calls ([] until installed).
 _INSTALLED: list[bool] = []
 #: Compiled add-RMSNorm kernels offered so far, by their key (registered with C++ once installed).
@@ -59,6 +65,12 @@ def register_shape(group_name: str, tokens: int, hidden: int, dtype, weight_dtyp
     _REASONS[index] = reason
 
 
+def register_all_reduce_shape(group_name: str, tokens: int, hidden: int, dtype) -> None:
+    """Tell the C++ path that all-reduce-only calls of this shape run NCCL (Python decided so)."""
+    index = torch.ops.fxfuse_native.register_all_reduce(group_name, tokens, hidden, dtype)
+    _ALL_REDUCE_KEYS[index] = (group_name, "fallback", hidden, str(dtype))
+
+
 def offer_norm_kernel(key: tuple, compiled, parameter_types: list[str]) -> None:
     """A newly compiled add-RMSNorm kernel (`fxfuse.op.kernels.add_rmsnorm_kernel`'s `key`: device, hidden,
     has residual, the five tensors' dtypes, weight offset, weight in float32): the C++ path launches it
@@ -84,21 +96,31 @@ def _register_norm_kernel(key: tuple, compiled, parameter_types: list[str]) -> N
 
 def forget_shapes(group_name: str | None) -> None:
     """Drop the registered shapes of `group_name` (all if None): their next call goes through Python again."""
-    if _REASONS:
+    if _REASONS or _ALL_REDUCE_KEYS:
         torch.ops.fxfuse_native.forget(group_name)
 
 
 def calls_by_reason() -> collections.Counter:
-    """Calls the C++ path ran, by the reason of the fallback they came from."""
+    """Fused-op calls the C++ path ran, by the reason of the fallback they came from."""
+    return _counted(_REASONS)
+
+
+def all_reduce_calls() -> collections.Counter:
+    """All-reduce-only calls the C++ path ran, by (group, "fallback", hidden, dtype)."""
+    return _counted(_ALL_REDUCE_KEYS)
+
+
+def _counted(keys: dict[int, object]) -> collections.Counter:
+    """The C++ call counters of the registrations in `keys` (index -> what to count them under)."""
     counts: collections.Counter = collections.Counter()
-    if _REASONS:
+    if keys:
         for index, calls in enumerate(torch.ops.fxfuse_native.call_counts()):
-            if calls:
-                counts[_REASONS[index]] += calls
+            if calls and index in keys:
+                counts[keys[index]] += calls
     return counts
 
 
 def reset_counts() -> None:
     """Zero the C++ path's call counters."""
-    if _REASONS:
+    if _REASONS or _ALL_REDUCE_KEYS:
         torch.ops.fxfuse_native.reset_counts()

@@ -20,13 +20,15 @@ import torch
 
 from fxfuse.op.decide.group_config import forget_group, when_group_forgotten
 from fxfuse.op.fp8_recipe import FP8_MAX, Fp8Recipe, check_fp8_arguments
-from fxfuse.op.kernels.native_fallback import forget_shapes, native_installed, register_shape
+from fxfuse.op.kernels.native_fallback import forget_shapes, native_installed, register_all_reduce_shape, register_shape
 from fxfuse.op.reference import check_arguments, resolve_group
-from fxfuse.op.runtime.planning import plan_call
+from fxfuse.op.runtime.planning import plan_all_reduce, plan_call
 from fxfuse.op.runtime.plans import PLAIN_NORM, CallPlan, Fp8Epilogue, NcclPlan
 from fxfuse.op.runtime.workspace import PCIE, TRTLLM
 
 PlanKey = tuple  # (group name, tokens, hidden, x / weight / residual dtypes, weight offset, weight in fp32[, FP8 recipe])
+#: The last element of the all-reduce-only op's keys: (group name, tokens, hidden, dtype, ALL_REDUCE_ONLY).
+ALL_REDUCE_ONLY = "all_reduce"
 _PLANS: dict[PlanKey, CallPlan] = {}
 
 
@@ -65,11 +67,24 @@ def _plan_for(key: tuple, group_name: str) -> CallPlan:
     if plan is None or plan.group is not group:
         if plan is not None:  # the name now means another group: nothing decided for the old one holds
             forget_group(group_name)
+        if key[-1] == ALL_REDUCE_ONLY:
+            plan = _PLANS[key] = plan_all_reduce(group, *key[1:-1])
+            if type(plan) is NcclPlan and native_installed():
+                register_all_reduce_shape(*key[:-1])  # later calls of this shape stay in C++
+            return plan
         plan = _PLANS[key] = plan_call(group, *key[1:])
         runs_in_cpp = len(key) == 8 and key[6:] == PLAIN_NORM and key[5] in (None, key[3])  # the plain norm only
         if type(plan) is NcclPlan and native_installed() and runs_in_cpp:
             register_shape(*key[:6], plan.decision.reason)  # later calls of this shape stay in C++
     return plan
+
+
+def all_reduce_cuda(x: torch.Tensor, group_name: str, in_place: bool) -> torch.Tensor:
+    """The all-reduce-only op on a CUDA tensor (`fxfuse.op.all_reduce_schema`): the plan cached for its
+    shape; returns the sum (`x` itself when `in_place`)."""
+    hidden = x.shape[-1] if x.dim() else 1
+    key = (group_name, x.numel() // hidden if hidden else 0, hidden, x.dtype, ALL_REDUCE_ONLY)
+    return _plan_for(key, group_name).all_reduce(x, in_place)
 
 
 def allreduce_residual_rmsnorm_cuda(

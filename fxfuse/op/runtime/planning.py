@@ -108,6 +108,22 @@ def plan_call(group: dist.ProcessGroup, tokens: int, hidden: int, dtype, weight_
     return plan
 
 
+def plan_all_reduce(group: dist.ProcessGroup, tokens: int, hidden: int, dtype) -> CallPlan:
+    """The plan of the all-reduce-only op for one call shape: the fused op's decision for it (no residual,
+    a weight of x's dtype: nothing of the norm limits the all-reduce), then (outside capture) one exchange
+    of every rank's plan, which raises `RankStepFailed` on every rank if they differ."""
+    plan = decide_plan(group, tokens, hidden, dtype, dtype, None)
+    plan.only_all_reduce = True
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return plan
+    agreed = (type(plan).__name__, plan.decision.mode.value, tokens, hidden, str(dtype), "all_reduce")
+    reason = agreed_failure(None, group, agreed)
+    if reason is not None:
+        raise RankStepFailed(f"planning the all-reduce-only op for {tokens} tokens x hidden {hidden} failed on every "
+                             f"rank of process group {group.group_name!r} because of {reason}")
+    return plan
+
+
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 

@@ -8,7 +8,8 @@ A plan is made once per call shape (`fxfuse.op.runtime.planning`) and called for
   backend emits where Inductor can prove `x` is dead), the all-reduce runs in x's memory unless the
   residual or weight shares it; otherwise on a copy.
 Each has an `fp8` form for the FP8 variant, whose quantization (`Fp8Epilogue`) runs in the kernel after
-the all-reduce. Inputs that are not 16-byte aligned or contiguous are copied first: a copy is the same
+the all-reduce, and an `all_reduce` form for the all-reduce-only op of tier (b) (`fxfuse.op.all_reduce_schema`):
+the same all-reduce with nothing after it (FlashInfer's TensorRT-LLM kernel with its kAllReduce pattern). Inputs that are not 16-byte aligned or contiguous are copied first: a copy is the same
 on every rank, where falling back on one rank only would hang the others. Calls are counted per plan
 (`fusion_stats`).
 """
@@ -26,7 +27,7 @@ from fxfuse.op.decide.policy import FusionDecision
 from fxfuse.op.fp8_recipe import FP8_DTYPE, FP8_MAX, Fp8Recipe, scale_shape
 from fxfuse.op.kernels.add_rmsnorm_fp8_kernel import add_rmsnorm_fp8_into, quantize_fp8_into
 from fxfuse.op.kernels.add_rmsnorm_kernel import add_rmsnorm_into
-from fxfuse.op.kernels.native_fallback import calls_by_reason, reset_counts
+from fxfuse.op.kernels.native_fallback import all_reduce_calls, calls_by_reason, reset_counts
 from fxfuse.op.reference import writable_in_place
 from fxfuse.op.runtime.workspace import PCIE, TRTLLM, FusionWorkspace
 
@@ -39,6 +40,8 @@ KERNEL_ALIGNMENT = 16
 #: replays are not counted). Read with `fusion_stats()`.
 _FUSED_CALLS: collections.Counter = collections.Counter()
 _FALLBACK_CALLS: collections.Counter = collections.Counter()
+#: Calls of the all-reduce-only op, by {(group, mode, hidden, dtype): n}, every implementation.
+_ALL_REDUCE_CALLS: collections.Counter = collections.Counter()
 
 #: How the plain op applies its weight: (weight offset, weight in float32) = transformers' order.
 PLAIN_NORM = (0.0, False)
@@ -46,14 +49,16 @@ PLAIN_NORM = (0.0, False)
 
 def fusion_stats() -> dict[str, dict]:
     """A snapshot of the call counters: {"fused": {(group, mode, hidden, dtype): n}, "fallback": {reason: n}}
-    (fallback calls the C++ path ran included)."""
-    return {"fused": dict(_FUSED_CALLS), "fallback": dict(_FALLBACK_CALLS + calls_by_reason())}
+    for the fused ops (fallback calls the C++ path ran included), and "all_reduce": {(group, mode, hidden,
+    dtype): n} for the all-reduce-only op (mode "fallback" for NCCL)."""
+    return {"fused": dict(_FUSED_CALLS), "fallback": dict(_FALLBACK_CALLS + calls_by_reason()),
+            "all_reduce": dict(_ALL_REDUCE_CALLS + all_reduce_calls())}
 
 
 def reset_fusion_stats() -> None:
     """Zero the call counters."""
-    _FUSED_CALLS.clear()
-    _FALLBACK_CALLS.clear()
+    for counter in (_FUSED_CALLS, _FALLBACK_CALLS, _ALL_REDUCE_CALLS):
+        counter.clear()
     reset_counts()
 
 
@@ -70,6 +75,8 @@ class CallPlan:
 
     group: dist.ProcessGroup
     decision: FusionDecision
+    #: Whether the plan serves the all-reduce-only op (its calls are counted apart).
+    only_all_reduce: bool = field(default=False, kw_only=True)
     #: The group's name, read once (the kernels pass it on every call).
     group_name: str = field(init=False)
     #: (counter, key) this plan's calls are counted under, made on the first call (a plan serves one
@@ -83,7 +90,9 @@ class CallPlan:
         """Count one call of this plan (see fusion_stats)."""
         tally = self._tally
         if tally is None:
-            if self.decision.fused:
+            if self.only_all_reduce:
+                tally = (_ALL_REDUCE_CALLS, (self.group_name, self.decision.mode.value, hidden, str(dtype)))
+            elif self.decision.fused:
                 tally = (_FUSED_CALLS, (self.group_name, self.decision.mode.value, hidden, str(dtype)))
             else:
                 tally = (_FALLBACK_CALLS, self.decision.reason)
@@ -142,6 +151,17 @@ class NcclPlan(CallPlan):
         self.count(x.shape[-1], x.dtype)
         return epilogue.run(reduced, residual, weight, eps, residual_out, norm)
 
+    def all_reduce(self, x, in_place: bool):
+        """The all-reduce-only op: Inductor's own calls (`all_reduce_` and `wait_tensor`) on `x` itself
+        (`in_place`: the caller owns x) or on a contiguous copy; returns the reduced tensor."""
+        target = x if in_place and x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
+        ALL_REDUCE_(target, "sum", self.group_name)
+        WAIT_TENSOR(target)
+        if in_place and target is not x:
+            x.copy_(target)
+        self.count(x.shape[-1], x.dtype)
+        return x if in_place else target
+
     def _all_reduce(self, x, residual, weight, x_donated):
         """(the all-reduced x, the buffer residual_out goes to: a fresh one when x's own memory was reduced
         or the residual has another dtype)."""
@@ -177,6 +197,19 @@ class TrtllmPlan(CallPlan):
         self.count(hidden, x.dtype)
         return normed.view(x.shape), residual_out.view(x.shape)
 
+    def all_reduce(self, x, in_place: bool):
+        """The all-reduce-only op: the kernel's kAllReduce pattern, into `x` itself when `in_place` (the kernel
+        reads each input element once, in the thread that then writes that output element, before it
+        writes: FlashInfer 0.6.3-0.7.x, one-shot and two-shot) and x is contiguous and aligned, else into a
+        fresh buffer (copied into `x` when `in_place`); returns the reduced tensor."""
+        x2d = aligned(x.reshape(-1, x.shape[-1]))
+        direct = in_place and x2d.data_ptr() == x.data_ptr() and x.is_contiguous()
+        reduced = x2d if direct else torch.empty_like(x2d)
+        TRTLLM.note_use(self.workspace)
+        TRTLLM.kernels.all_reduce(self.workspace.handle, x2d, reduced, oneshot=self.decision.mode is FusionMode.ONESHOT)
+        self.count(x.shape[-1], x.dtype)
+        return x if direct else copied_back(x, reduced, in_place)
+
     def fp8(self, x, residual, weight, eps, x_donated, epilogue: Fp8Epilogue, norm: tuple = PLAIN_NORM):
         normed, residual_out = self(x, residual, weight, eps, x_donated, norm)
         quantized, scales, normed = epilogue.quantize(normed)
@@ -206,6 +239,13 @@ class PciePlan(CallPlan):
         return (quantized.view(shape), scales.view(*shape[:-1], -1) if scales.numel() else scales, residual_out.view(shape),
                 normed.view(shape) if normed.numel() else normed)
 
+    def all_reduce(self, x, in_place: bool):
+        """The all-reduce-only op: the PCIe all-reduce into a fresh buffer (copied into `x` when `in_place`);
+        returns the reduced tensor."""
+        reduced, _ = self._all_reduce(x, None)
+        self.count(x.shape[-1], x.dtype)
+        return copied_back(x, reduced, in_place)
+
     def _all_reduce(self, x, residual):
         """(x all-reduced over the group into a fresh [tokens, hidden] buffer, the residual as [tokens, hidden])."""
         hidden = x.shape[-1]
@@ -214,6 +254,15 @@ class PciePlan(CallPlan):
         PCIE.note_use(self.workspace)
         PCIE.kernels.all_reduce(self.workspace.handle, x2d, reduced)
         return reduced, None if residual is None else aligned(residual.reshape(-1, hidden))
+
+
+def copied_back(x: torch.Tensor, reduced: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """The all-reduce-only op's result from a [tokens, hidden] buffer: written into `x` (`in_place`) or
+    viewed in x's shape."""
+    if in_place:
+        x.copy_(reduced.view(x.shape))
+        return x
+    return reduced.view(x.shape)
 
 
 def residual_out_buffer(reduced: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:

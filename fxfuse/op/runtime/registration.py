@@ -1,11 +1,14 @@
 """The fused ops' kernels, registered with torch's dispatcher: what makes `torch.ops.fxfuse.*` run.
 
-`fxfuse.op.schema` and `fxfuse.op.fp8_schema` define the ops and their fake kernels; importing this
-module gives every overload of both its kernels:
+`fxfuse.op.schema`, `fxfuse.op.fp8_schema` and `fxfuse.op.all_reduce_schema` define the ops and their fake
+kernels; importing this module gives every overload of each its kernels:
 - CPU: the reference over gloo (`fxfuse.op.runtime.cpu_kernel`; for the FP8 variant then
   `fxfuse.op.fp8_recipe.quantize_fp8`);
 - CUDA: `fxfuse.op.runtime.cuda_dispatch`, imported on the first CUDA call (its entry points are looked
   up per call), which runs the plan cached for the call's shape.
+The all-reduce-only ops (`all_reduce`, `all_reduce_`) get a gloo all-reduce on CPU (after the group's
+agreement, as the fused op's CPU kernel) and `cuda_dispatch.all_reduce_cuda` on CUDA, which the C++
+fallback replaces too, calling back through `all_reduce_planned` / `all_reduce_planned_`.
 `install_native_fallback()` (called by `fxfuse.prepare` and by the backend when it compiles a graph
 with fused sites on CUDA) replaces the plain op's Python CUDA kernels by the C++ fallback
 (`fxfuse.op.kernels.native_fallback`), which calls back into Python through two internal ops defined
@@ -19,12 +22,15 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 
+from fxfuse.op.all_reduce_schema import IN_PLACE_SCHEMA, SCHEMA
+from fxfuse.op.decide.group_config import agreed_config
 from fxfuse.op.fp8_recipe import Fp8Recipe, check_fp8_arguments, quantize_fp8
 from fxfuse.op.fp8_schema import FP8_OP_NAME, FP8_OVERLOADS, fp8_overload_name, recipe_from_arguments, scale_divisor_value
 from fxfuse.op.kernels import native_fallback
 from fxfuse.op.kernels.native_build import load_native_library
-from fxfuse.op.reference import NORM_ARGUMENTS, add_rmsnorm
+from fxfuse.op.reference import NORM_ARGUMENTS, add_rmsnorm, resolve_group
 from fxfuse.op.runtime.cpu_kernel import allreduce_residual_rmsnorm_cpu
 from fxfuse.op.schema import OP_NAME, OVERLOADS, RESULTS, overload_name
 
@@ -40,6 +46,12 @@ torch.library.define(
     NORM_INTO_OP,
     "(Tensor reduced, Tensor? residual, Tensor weight, float eps, Tensor(a!) residual_out, Tensor(b!) normed) -> ()",
 )
+#: The all-reduce-only ops' Python CUDA kernels under names of their own, which the C++ fallback calls
+#: for the shapes it was not told to run itself.
+ALL_REDUCE_PLANNED_OP = "fxfuse::all_reduce_planned"
+torch.library.define(ALL_REDUCE_PLANNED_OP, SCHEMA)
+ALL_REDUCE_PLANNED_IN_PLACE_OP = "fxfuse::all_reduce_planned_"
+torch.library.define(ALL_REDUCE_PLANNED_IN_PLACE_OP, IN_PLACE_SCHEMA)
 
 
 @functools.cache
@@ -76,6 +88,35 @@ def _cpu_norm_into(reduced, residual, weight, eps, residual_out, normed):
     normed.copy_(expected_normed)
 
 
+def _cpu_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """CPU kernel of `fxfuse::all_reduce`: the group's agreement on its first call, then a gloo all-reduce
+    of a contiguous copy."""
+    reduced = x.clone(memory_format=torch.contiguous_format)
+    _cpu_all_reduce_(reduced, group_name)
+    return reduced
+
+
+def _cpu_all_reduce_(x: torch.Tensor, group_name: str) -> None:
+    """CPU kernel of `fxfuse::all_reduce_`: the group's agreement on its first call, then a gloo all-reduce
+    in `x` (through a contiguous copy if x is not contiguous)."""
+    group = resolve_group(group_name)
+    agreed_config(group, x.device)
+    target = x if x.is_contiguous() else x.contiguous()
+    dist.all_reduce(target, op=dist.ReduceOp.SUM, group=group)
+    if target is not x:
+        x.copy_(target)
+
+
+def _cuda_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Python CUDA kernel of `fxfuse::all_reduce`."""
+    return _cuda_dispatch().all_reduce_cuda(x, group_name, False)
+
+
+def _cuda_all_reduce_(x: torch.Tensor, group_name: str) -> None:
+    """Python CUDA kernel of `fxfuse::all_reduce_`."""
+    _cuda_dispatch().all_reduce_cuda(x, group_name, True)
+
+
 def _cpu_fp8_kernel(x, residual, weight, eps, group_name, recipe: Fp8Recipe, static_scale, return_normed, weight_offset,
                     weight_in_fp32, scale_divisor, x_donated: bool):
     """Reference: the plain op's CPU kernel, then `quantize_fp8` of its normed output."""
@@ -107,6 +148,8 @@ def _register_cpu(overload: str) -> None:
 def _register_python_cuda_kernels() -> None:
     """Register the Python CUDA kernel (`fxfuse.op.runtime.cuda_dispatch`) of every public overload."""
     library = torch.library.Library("fxfuse", "IMPL")
+    library.impl("all_reduce", _cuda_all_reduce, "CUDA")
+    library.impl("all_reduce_", _cuda_all_reduce_, "CUDA")
     for overload in OVERLOADS:
         donated = overload.startswith("donate_x")
 
@@ -169,3 +212,9 @@ _KERNELS.impl("allreduce_residual_rmsnorm_planned", allreduce_residual_rmsnorm_c
 _KERNELS.impl("allreduce_residual_rmsnorm_planned", _cuda_planned, "CUDA")
 _KERNELS.impl("add_rmsnorm_into", _cpu_norm_into, "CPU")
 _KERNELS.impl("add_rmsnorm_into", _cuda_norm_into, "CUDA")
+for _name, _cpu, _cuda in (("all_reduce", _cpu_all_reduce, None), ("all_reduce_", _cpu_all_reduce_, None),
+                           ("all_reduce_planned", _cpu_all_reduce, _cuda_all_reduce),
+                           ("all_reduce_planned_", _cpu_all_reduce_, _cuda_all_reduce_)):
+    _KERNELS.impl(_name, _cpu, "CPU")
+    if _cuda is not None:
+        _KERNELS.impl(_name, _cuda, "CUDA")

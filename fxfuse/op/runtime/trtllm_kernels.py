@@ -223,6 +223,36 @@ class TrtllmFusionKernels:
         )
 
 
+    def all_reduce(self, workspace: TrtllmWorkspace, x: torch.Tensor, out: torch.Tensor, oneshot: bool) -> None:
+        """Launch the kernel's all-reduce alone (pattern kAllReduce) on [tokens, hidden] contiguous, 16-byte
+        aligned tensors: out = sum over ranks of x, summed in fp32. Safe inside CUDA-graph capture."""
+        num_tokens, hidden_size = x.shape
+        fusion = getattr(self._comm.trtllm_allreduce_fusion, "__wrapped__", self._comm.trtllm_allreduce_fusion)
+        fusion(
+            allreduce_in=x,
+            world_size=workspace.world_size,
+            world_rank=workspace.rank,
+            token_num=num_tokens,
+            hidden_dim=hidden_size,
+            workspace_ptrs=workspace.pointer_table,
+            launch_with_pdl=False,
+            trigger_completion_at_end=False,
+            fp32_acc=True,
+            pattern_code=self._comm.AllReduceFusionPattern.kAllReduce,
+            use_oneshot=oneshot,
+            allreduce_out=out,
+            residual_in=None,
+            residual_out=None,
+            norm_out=None,
+            quant_out=None,
+            scale_out=None,
+            rms_gamma=None,
+            rms_eps=None,
+            scale_factor=None,
+            layout_code=None,
+        )
+
+
 class _DeviceArray:
     """A `__cuda_array_interface__` view of raw device memory, for torch.as_tensor (no copy)."""
 

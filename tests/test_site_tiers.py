@@ -1,0 +1,219 @@
+"""Issue 31: every all-reduce site in one tier. (a) the fused op (with a folded FP8 quantization) where only
+GEMMs read the norm; (b) the all-reduce-only op, the add and norm given back to Inductor, where the norm
+feeds code Inductor would fuse into it, or no norm follows; (c) Inductor's all-reduce. Exact counts per tier
+on hand-written graphs for each kind of epilogue, values bit for bit against eager (fake group: the
+collective is the identity in both), then the same with two gloo ranks (real sums), eager and Inductor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed._functional_collectives as funcol
+from toy_graphs import GraphCapture, compile_and_run, fake_process_group, rmsnorm_transformers, rmsnorm_weight_in_fp32
+
+from fxfuse.backend import FxfuseBackend
+from fxfuse.op.all_reduce_schema import all_reduce
+from fxfuse.op.fp8_schema import FP8_OPS
+from fxfuse.op.schema import NORM_OPS
+from fxfuse.passes.config import FAST_ALLREDUCE, PATTERNS
+from fxfuse.passes.site_tiers import TIER_REASON
+from fxfuse.runner.launch import run_on_ranks
+
+FP8 = torch.float8_e4m3fn
+HIDDEN = 256
+
+
+def gemm(n):
+    return n @ torch.ones(HIDDEN, 8, dtype=n.dtype)
+
+
+def cast_then_gemm(n):
+    """DeepSeek-V3's MoE gate: `F.linear(x.float(), weight.float())`."""
+    return n.float() @ torch.ones(HIDDEN, 8)
+
+
+def clamp_then_scale(n):
+    return n.clamp(-2.0, 2.0) * 3.0
+
+
+def second_rmsnorm(n):
+    return rmsnorm_transformers(n, torch.full((HIDDEN,), 0.5, dtype=n.dtype), 1e-5)
+
+
+def vllm_per_token_fp8(n):
+    """vLLM's QuantFP8 per token (folds into the op since issue 29)."""
+    scale = (n.abs().max(dim=-1)[0].unsqueeze(-1).float() / 448.0).clamp(min=1.0 / (448.0 * 512.0))
+    return (n.float() * scale.reciprocal()).clamp(-448.0, 448.0).to(FP8), scale
+
+
+def per_tensor_dynamic_fp8(n):
+    """A dynamic per-tensor scale (`amax()` with no dim): the op cannot fold it."""
+    scale = n.float().abs().amax() / 448.0
+    return (n.float() / scale).clamp(-448.0, 448.0).to(FP8), scale
+
+
+def fp8_and_gate(n):
+    """A folded quantization for the experts and the gate's float32 cast reading the same norm output."""
+    return (*vllm_per_token_fp8(n), cast_then_gemm(n))
+
+
+#: Epilogue -> (fused sites, of them with the FP8 quantization folded, all-reduce-only ops).
+EPILOGUES = {
+    "gemm": (gemm, 1, 0, 0),
+    "cast_then_gemm": (cast_then_gemm, 0, 0, 1),
+    "clamp_then_scale": (clamp_then_scale, 0, 0, 1),
+    "second_rmsnorm": (second_rmsnorm, 0, 0, 1),
+    "vllm_per_token_fp8": (vllm_per_token_fp8, 1, 1, 0),
+    "per_tensor_dynamic_fp8": (per_tensor_dynamic_fp8, 0, 0, 1),
+    "fp8_and_gate": (fp8_and_gate, 0, 0, 1),
+}
+
+
+def block(x, residual, weight, group_name, epilogue, norm=rmsnorm_transformers):
+    hidden = funcol.all_reduce(x, "sum", group_name) + residual
+    return epilogue(norm(hidden, weight, 1e-6)), hidden
+
+
+def no_norm_block(x, residual, group_name):
+    """An all-reduce with no RMSNorm after it (a LayerNorm follows): fused by nothing."""
+    hidden = funcol.all_reduce(x, "sum", group_name) + residual
+    return torch.nn.functional.layer_norm(hidden, (HIDDEN,)), hidden
+
+
+def _inputs(seed: int = 0, dtype=torch.bfloat16, tokens: int = 4):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(tokens, HIDDEN, generator=g).to(dtype), torch.randn(tokens, HIDDEN, generator=g).to(dtype),
+            (1 + 0.1 * torch.randn(HIDDEN, generator=g)).to(dtype))
+
+
+def _flat(out) -> list[torch.Tensor]:
+    """The tensors of a (possibly nested) tuple or list of outputs, in order."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for part in out for t in _flat(part)]
+
+
+def _assert_bit_identical(got, expected, what):
+    for g, e in zip(_flat(got), _flat(expected), strict=True):
+        assert g.dtype == e.dtype and g.shape == e.shape, what
+        g, e = (t.view(torch.uint8) if t.dtype == FP8 else t for t in (g, e))
+        torch.testing.assert_close(g, e, rtol=0, atol=0, msg=lambda m: f"{what}: {m}")
+
+
+def _tiers(graph: torch.fx.Graph) -> tuple[int, int, int]:
+    count = lambda ops: sum(len(graph.find_nodes(op="call_function", target=op)) for op in ops)  # noqa: E731
+    return count((*NORM_OPS, *FP8_OPS)), count(FP8_OPS), count((all_reduce,))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("name", EPILOGUES)
+def test_each_epilogue_gets_its_tier_and_the_values_of_eager(name, dynamic):
+    epilogue, fused, folded, fast = EPILOGUES[name]
+    inputs = _inputs()
+    with fake_process_group() as group:
+        fn = lambda x, r, w: block(x, r, w, group.group_name, epilogue)  # noqa: E731
+        capture, got = compile_and_run(fn, *inputs, backend=GraphCapture(patterns=PATTERNS), dynamic=dynamic)
+        expected = fn(*inputs)
+    (graph,) = capture.graphs
+    assert _tiers(graph.graph) == (fused, folded, fast), name
+    decision_tiers = [d.tier for d in capture.site_decisions]
+    assert decision_tiers == ["a" if fused else "b"], decision_tiers
+    _assert_bit_identical(got, expected, name)
+
+
+def test_a_tier_b_site_says_what_reads_its_norm():
+    with fake_process_group() as group:
+        capture, _ = compile_and_run(lambda x, r, w: block(x, r, w, group.group_name, cast_then_gemm), *_inputs(),
+                                     backend=GraphCapture(patterns=PATTERNS))
+        unfolded, _ = compile_and_run(lambda x, r, w: block(x, r, w, group.group_name, per_tensor_dynamic_fp8),
+                                      *_inputs(), backend=GraphCapture(patterns=PATTERNS))
+    (node,) = capture.graphs[0].graph.find_nodes(op="call_function", target=all_reduce)
+    assert "prims.convert_element_type" in node.meta[TIER_REASON] and "Inductor fuses" in node.meta[TIER_REASON]
+    (node,) = unfolded.graphs[0].graph.find_nodes(op="call_function", target=all_reduce)
+    assert "FP8 quantization the fused op cannot fold" in node.meta[TIER_REASON]
+    assert "per-tensor" in node.meta[TIER_REASON], node.meta[TIER_REASON]
+    record = capture.records[-1]
+    assert record.stats.fast_all_reduces == 1 and record.unfused.fast == 1 and record.unfused.count == 1
+
+
+def test_the_weight_in_float32_spelling_is_given_back_exactly():
+    """`F.rms_norm`'s order (the weight applied in float32 before the cast) comes back as it was."""
+    inputs = _inputs(3)
+    with fake_process_group() as group:
+        fn = lambda x, r, w: block(x, r, w, group.group_name, clamp_then_scale, rmsnorm_weight_in_fp32)  # noqa: E731
+        capture, got = compile_and_run(fn, *inputs, backend=GraphCapture(patterns=PATTERNS))
+        expected = fn(*inputs)
+    assert _tiers(capture.graphs[0].graph) == (0, 0, 1)
+    _assert_bit_identical(got, expected, "weight in float32")
+
+
+def test_an_all_reduce_without_a_norm_gets_the_fast_op_and_keeps_its_reason():
+    inputs = _inputs(1)[:2]
+    with fake_process_group() as group:
+        fn = lambda x, r: no_norm_block(x, r, group.group_name)  # noqa: E731
+        capture, got = compile_and_run(fn, *inputs, backend=GraphCapture(patterns=PATTERNS))
+        expected = fn(*inputs)
+    (node,) = capture.graphs[0].graph.find_nodes(op="call_function", target=all_reduce)
+    assert "RMSNorm" in node.meta[TIER_REASON], node.meta[TIER_REASON]
+    assert [d.tier for d in capture.site_decisions] == ["b"]
+    _assert_bit_identical(got, expected, "no norm")
+
+
+@pytest.mark.parametrize("name", ["cast_then_gemm", "per_tensor_dynamic_fp8"])
+def test_without_the_fast_allreduce_pattern_there_is_no_tier_b(name):
+    """Without `fast_allreduce` the old behaviour: the site stays fused, whatever follows."""
+    patterns = [p for p in PATTERNS if p != FAST_ALLREDUCE]
+    with fake_process_group() as group:
+        capture, _ = compile_and_run(lambda x, r, w: block(x, r, w, group.group_name, EPILOGUES[name][0]), *_inputs(),
+                                     backend=GraphCapture(patterns=patterns))
+    assert _tiers(capture.graphs[0].graph) == (1, 0, 0)
+
+
+def test_other_reductions_stay_inductors():
+    """Tier (c): a max all-reduce is not the op's to run."""
+    with fake_process_group() as group:
+        capture, _ = compile_and_run(lambda x: funcol.all_reduce(x, "max", group.group_name) * 2, _inputs()[0],
+                                     backend=GraphCapture(patterns=PATTERNS))
+    assert _tiers(capture.graphs[0].graph) == (0, 0, 0) and [d.tier for d in capture.site_decisions] == ["c"]
+
+
+def _compiled_vs_eager_on_rank(ctx, inner: str) -> list:
+    """Every epilogue, compiled (all patterns) and eager, on real two-rank sums."""
+    group_name = ctx.group.group_name
+    results = []
+    for name, (epilogue, *_) in EPILOGUES.items():
+        inputs = _inputs(10 + ctx.rank)
+        fn = lambda x, r, w: block(x, r, w, group_name, epilogue)  # noqa: E731
+        backend = FxfuseBackend(inner=inner)
+        _, got = compile_and_run(fn, *inputs, backend=backend)
+        results.append((name, _picklable(got), _picklable(fn(*inputs)), backend.records[-1].stats.fast_all_reduces))
+    return results
+
+
+def _picklable(out) -> list[torch.Tensor]:
+    """The outputs with FP8 ones as their bytes (FP8 storages do not cross processes)."""
+    return [t.view(torch.uint8) if t.dtype == FP8 else t for t in _flat(out)]
+
+
+def _check_ranks(outputs, inner: str) -> None:
+    for rank_results in outputs:
+        for name, got, expected, fast in rank_results:
+            assert fast == EPILOGUES[name][3], (inner, name, fast)
+            if inner == "eager":
+                _assert_bit_identical(got, expected, name)
+            else:  # Inductor's own code for the norm and what follows: its rounding, within bf16 / one e4m3 step
+                for g, e in zip(got, expected, strict=True):
+                    fp8 = g.dtype == torch.uint8
+                    g, e = (t.view(FP8).float() if fp8 else t.float() for t in (g, e))
+                    tolerance = {"rtol": 0.126, "atol": 2.0**-9} if fp8 else {"rtol": 0.02, "atol": 0.02}
+                    torch.testing.assert_close(g, e, **tolerance, msg=lambda m: f"{name}: {m}")
+
+
+def test_two_gloo_ranks_compiled_equal_eager_eager_inner():
+    _check_ranks(run_on_ranks(_compiled_vs_eager_on_rank, 2, "eager", timeout_s=300), "eager")
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_compiled_equal_eager_inductor_inner():
+    """Under Inductor the all-reduce-only op becomes `auto_functionalized(all_reduce_)` and is re-inplaced."""
+    _check_ranks(run_on_ranks(_compiled_vs_eager_on_rank, 2, "inductor", timeout_s=900), "inductor")
