@@ -5,9 +5,9 @@
 - (b) the all-reduce-only op `fxfuse::all_reduce` where the all-reduce was, with the residual add and
   the RMSNorm given back to Inductor, which fuses them with what follows as it would have: for a fused
   site whose norm output feeds such code (`epilogues.fusing_reader`: an FP8 quantization the op cannot
-  fold, a cast, a scale, a clamp, a second norm), and for every summed all-reduce left unfused where a
-  fused all-reduce kernel can run (`allreduce_rmsnorm_fusion.kernel_refusal`, or anywhere with
-  `fuse_without_fast_kernel`). The op runs the fastest all-reduce of the machine (NCCL where that is
+  fold, a cast, a scale, a clamp, a second norm), and for every summed CUDA all-reduce left unfused where
+  a fused all-reduce kernel can run (`allreduce_rmsnorm_fusion.kernel_refusal`; anywhere, CPU included,
+  with `fuse_without_fast_kernel`). The op runs the fastest all-reduce of the machine (NCCL where that is
   all there is, with Inductor's own calls), so a tier-(b) site costs what Inductor's code costs, or less;
 - (c) Inductor's own all-reduce: other reductions, and sites no fused all-reduce kernel can run
   (float32, a world size the kernels do not take), where NCCL is all any code could use.
@@ -125,8 +125,8 @@ def _cast(emit, value: torch.fx.Node, dtype: torch.dtype) -> torch.fx.Node:
 
 
 def fast_all_reduces(graph: torch.fx.Graph, config: PassConfig) -> int:
-    """Give every summed all-reduce left in `graph` the all-reduce-only op where a fused all-reduce kernel
-    can run (anywhere with `fuse_without_fast_kernel`); returns how many. Each keeps why it is not fused
+    """Give every summed CUDA all-reduce left in `graph` the all-reduce-only op where a fused all-reduce
+    kernel can run (anywhere with `fuse_without_fast_kernel`); returns how many. Each keeps why it is not fused
     (`explain_unfused`) in `meta[TIER_REASON]`."""
     replaced = 0
     for collective in list(graph.find_nodes(op="call_function", target=ALL_REDUCE)):
@@ -134,8 +134,8 @@ def fast_all_reduces(graph: torch.fx.Graph, config: PassConfig) -> int:
         waits = list(collective.users)
         if operation != "sum" or len(waits) != 1 or not is_call(waits[0], WAIT_TENSOR) or val(x) is None:
             continue
-        if not config.fuse_without_fast_kernel and kernel_refusal(val(x), group_name) is not None:
-            continue
+        if not config.fuse_without_fast_kernel and (val(x).device.type != "cuda" or kernel_refusal(val(x), group_name)):
+            continue  # no all-reduce faster than Inductor's can run it (off CUDA: gloo is all there is)
         reason = explain_unfused(collective, config)
         reduced = emit_node(graph, all_reduce, (x, group_name), before=collective, meta_from=collective)
         reduced.meta[TIER_REASON] = reason

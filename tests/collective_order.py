@@ -31,6 +31,7 @@ import torch.fx
 from toy_graphs import compile_and_run
 
 from fxfuse.backend import FxfuseBackend
+from fxfuse.op.all_reduce_schema import all_reduce
 from fxfuse.op.schema import FUSED_OPS
 
 WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
@@ -44,6 +45,8 @@ def collective_key(node: torch.fx.Node) -> tuple | None:
         return None
     if node.target in FUSED_OPS:
         return (ALL_REDUCE_KEY, ("sum", node.args[4]))
+    if node.target is all_reduce:  # tier (b)'s all-reduce-only op
+        return (ALL_REDUCE_KEY, ("sum", node.args[1]))
     if getattr(node.target, "namespace", None) != "_c10d_functional" or node.target is WAIT_TENSOR:
         return None
     name = node.target._schema.name.split("::")[-1].removesuffix("_")

@@ -21,7 +21,9 @@ from toy_graphs import GraphCapture, compile_and_run
 
 from fxfuse.op.schema import NORM_OPS
 from fxfuse.passes.config import PATTERNS
+from fxfuse.op.all_reduce_schema import all_reduce
 from fxfuse.passes.fp8_epilogue import FP8_REASON
+from fxfuse.passes.site_tiers import TIER_REASON
 from fxfuse.runner.launch import run_on_ranks
 
 QUICK_CASES = 24
@@ -65,7 +67,9 @@ def check_case(case: Fp8Case, group_name: str, rank: int) -> str | None:
         expected = program(*inputs, group_name)
     folded = sum(record.stats.fp8_quantizations_folded for record in capture.records)
     reasons = [node.meta.get(FP8_REASON) for graph in capture.graphs for node in graph.graph.nodes
-               if node.target in NORM_OPS]
+               if node.target in NORM_OPS]  # with the fast_allreduce pattern off: the site stays fused
+    reasons += [node.meta.get(TIER_REASON) for graph in capture.graphs for node in graph.graph.nodes
+                if node.target is all_reduce]  # else it is in tier (b), the reason on its all-reduce-only op
     if folded != int(case.folds):
         return f"folded {folded}, expected {int(case.folds)} (reasons: {reasons})"
     if not case.folds and not any(reason and expected in reason for reason in reasons for expected in case.reasons):

@@ -18,6 +18,7 @@ from collective_order import compiled_like_eager
 from toy_graphs import fake_process_group
 from toy_graphs import funcol_all_reduce as ar
 
+from fxfuse.op.all_reduce_schema import all_reduce
 from fxfuse.op.schema import NORM_OPS
 from fxfuse.passes.config import PassConfig
 from fxfuse.passes.unfused_reasons import explain_unfused
@@ -220,7 +221,9 @@ def test_two_layers_of_a_float32_residual_stream(group):
 
     y1, r32, w1 = half_inputs(torch.bfloat16, residual_dtype=torch.float32)
     y2, _, w2 = half_inputs(torch.bfloat16)
-    compiled(two_layers, y1, y2, r32, w1, w2, fused=2)
+    # the first norm feeds an add Inductor fuses into it: that site is in tier (b), its add and norm Inductor's
+    gm, _ = compiled(two_layers, y1, y2, r32, w1, w2, fused=1)
+    assert len(gm.graph.find_nodes(op="call_function", target=all_reduce)) == 1
 
 
 # ---------------------------------------------------------------- what stays unfused, and why

@@ -148,11 +148,14 @@ def test_the_weight_in_float32_spelling_is_given_back_exactly():
 
 
 def test_an_all_reduce_without_a_norm_gets_the_fast_op_and_keeps_its_reason():
+    """On CUDA, where a faster all-reduce may run; on CPU (gloo only) only when forced, as here."""
     inputs = _inputs(1)[:2]
     with fake_process_group() as group:
         fn = lambda x, r: no_norm_block(x, r, group.group_name)  # noqa: E731
-        capture, got = compile_and_run(fn, *inputs, backend=GraphCapture(patterns=PATTERNS))
+        capture, got = compile_and_run(fn, *inputs, backend=GraphCapture(patterns=PATTERNS, fuse_without_fast_kernel=True))
         expected = fn(*inputs)
+        unforced, _ = compile_and_run(fn, *inputs, backend=GraphCapture(patterns=PATTERNS))
+    assert [d.tier for d in unforced.site_decisions] == ["c"]
     (node,) = capture.graphs[0].graph.find_nodes(op="call_function", target=all_reduce)
     assert "RMSNorm" in node.meta[TIER_REASON], node.meta[TIER_REASON]
     assert [d.tier for d in capture.site_decisions] == ["b"]

@@ -222,8 +222,8 @@ class GraphCapture(FxfuseBackend):
     tests then call the passes themselves.
     """
 
-    def __init__(self, patterns=()) -> None:
-        super().__init__(inner="eager", patterns=patterns)
+    def __init__(self, patterns=(), fuse_without_fast_kernel: bool = False) -> None:
+        super().__init__(inner="eager", patterns=patterns, fuse_without_fast_kernel=fuse_without_fast_kernel)
         self.graphs: list[torch.fx.GraphModule] = []
 
     def rewrite(self, graph: torch.fx.Graph):

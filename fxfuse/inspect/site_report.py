@@ -65,7 +65,7 @@ class SiteRow:
     quantized to FP8, whether the quantization was folded into the op ("fused: <scaling>") or why not
     ("left out: <reason>"); None when no quantization follows; `tier`: "a" (fused), "b" (the
     all-reduce-only op, add and norm left to Inductor) or "c" (Inductor's all-reduce), as
-    `fxfuse.passes.site_tiers` describes them.
+    `fxfuse.passes.site_tiers` describes them (by default "a" when fused, else "c").
     """
 
     index: int
@@ -78,7 +78,11 @@ class SiteRow:
     graph: int = 0
     collective: str = "all_reduce"
     fp8: str | None = None
-    tier: str = "c"
+    tier: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tier is None:  # a fused site is in tier (a); an unfused one in (c) unless said otherwise
+            object.__setattr__(self, "tier", "a" if self.fused else "c")
 
 
 @dataclass(frozen=True)

@@ -64,10 +64,10 @@ def log_record(record: CompileRecord) -> None:
     if record.unfused is not None:
         unfused = record.unfused
         level = logging.WARNING if unfused.count > unfused.fast else logging.INFO
-        log.log(level, "fxfuse fused %d of %d all-reduce sites%s%s; %d of the others run the all-reduce-only op "
-                "(tier b). Most common reason (%d of the %d unfused): %s. TORCH_LOGS=fxfuse lists every site.",
-                found - unfused.count, found, _graph(), loaded, unfused.fast, unfused.with_reason, unfused.count,
-                unfused.reason)
+        fast = f"; {unfused.fast} of the others run the all-reduce-only op (tier b)" if unfused.fast else ""
+        log.log(level, "fxfuse fused %d of %d all-reduce sites%s%s%s. Most common reason (%d of the %d unfused): %s. "
+                "TORCH_LOGS=fxfuse lists every site.", found - unfused.count, found, _graph(), loaded, fast,
+                unfused.with_reason, unfused.count, unfused.reason)
     elif found:
         log.info("fxfuse fused all %d all-reduce sites%s%s", found, _graph(), loaded)
     if log.isEnabledFor(logging.DEBUG):

@@ -212,6 +212,7 @@ def test_the_fallback_sweep_checks_times_and_records_every_point(tmp_path):
     shapes: every point passes its float32 check, has both timings, and its fxfuse graph fused the site."""
     import json
 
+    from fxfuse.bench.arguments import FALLBACK_QUANT
     from fxfuse.bench.fallback import main
 
     argv = ["--tokens", "1,64", "--hidden", "4096", "--repeats", "3", "--iters", "2", "--host-calls", "5",
@@ -220,7 +221,7 @@ def test_the_fallback_sweep_checks_times_and_records_every_point(tmp_path):
     (path,) = tmp_path.glob("fallback_*.json")
     report = json.loads(path.read_text())
     points = [(r["quant"], r["dynamic"], r["tokens"]) for r in report["rows"]]
-    assert points == [(q, d, t) for q in ("none", "group", "row", "tensor") for d in (False, True) for t in (1, 64)]
+    assert points == [(q, d, t) for q in FALLBACK_QUANT for d in (False, True) for t in (1, 64)]
     for row in report["rows"]:
         assert row["ok"] and row["fused_us"] > 0 and row["inductor_us"] > 0 and row["fusion"]["site_fused"], row
         assert row["input_sets"] == 2  # tiny inputs: one copy per captured call
