@@ -8,6 +8,9 @@ returns None when every reader is one that reads the value from memory anyway: a
 (`NON_FUSING_ATEN`), an op Inductor calls as an extern kernel (anything outside the aten and prims
 namespaces: collectives, custom ops, fxfuse's own ops, Triton kernel wrappers) or the graph's output.
 Unknown aten ops count as fusing: putting a site in tier (b) when unsure costs nothing against Inductor.
+A dtype cast whose own readers are all non-fusing (a float32 copy for a GEMM, as DeepSeek-V3's MoE gate
+reads the norm) is not counted: in tier (a) it is one more kernel, as Inductor's norm kernel writes one more
+output in tier (b); whether (b) wins there on NCCL and PCIe plans is not measured yet.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch.fx
 from fxfuse.passes.pattern_support import is_view
 
 aten = torch.ops.aten
+CAST = torch.ops.prims.convert_element_type.default
 
 #: aten ops Inductor lowers to extern kernels (GEMMs, convolutions): they read their inputs from memory.
 NON_FUSING_ATEN = frozenset({
@@ -44,6 +48,8 @@ def fusing_reader(value: torch.fx.Node, skip: Collection[torch.fx.Node] = frozen
         seen.add(node)
         if is_view(node):
             pending.extend(node.users)
+        elif node.target is CAST and fusing_reader(node) is None:
+            continue  # a cast only GEMMs read (DeepSeek-V3's float32 MoE gate input): kept with its GEMM
         elif fuses_its_inputs(node):
             return node
     return None

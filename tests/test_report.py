@@ -56,7 +56,7 @@ def test_tiny_report_rows(tiny_trace):
     assert document["allreduce_sites"] == document["fused_sites"] == len(document["sites"]) == 9
     assert document["sites"][4] == {"index": 4, "layer": 1, "block": "MoE", "module": "model.layers.1.mlp",
                                      "fused": True, "merged": False, "reason": None, "graph": 0,
-                                     "collective": "all_reduce", "fp8": None}
+                                     "collective": "all_reduce", "fp8": None, "tier": "a"}
     assert report.table().splitlines()[-1].startswith("tiny (4 layers, tp=2, bfloat16): 9 of 9 all-reduce sites fused")
 
 

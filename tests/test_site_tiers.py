@@ -60,12 +60,13 @@ def fp8_and_gate(n):
 #: Epilogue -> (fused sites, of them with the FP8 quantization folded, all-reduce-only ops).
 EPILOGUES = {
     "gemm": (gemm, 1, 0, 0),
-    "cast_then_gemm": (cast_then_gemm, 0, 0, 1),
+    "cast_then_gemm": (cast_then_gemm, 1, 0, 0),  # a cast only a GEMM reads stays with the GEMM
     "clamp_then_scale": (clamp_then_scale, 0, 0, 1),
     "second_rmsnorm": (second_rmsnorm, 0, 0, 1),
     "vllm_per_token_fp8": (vllm_per_token_fp8, 1, 1, 0),
     "per_tensor_dynamic_fp8": (per_tensor_dynamic_fp8, 0, 0, 1),
-    "fp8_and_gate": (fp8_and_gate, 0, 0, 1),
+    "fp8_and_gate": (fp8_and_gate, 1, 1, 0),
+    "fp8_and_clamp": (lambda n: (*vllm_per_token_fp8(n), clamp_then_scale(n)), 0, 0, 1),
 }
 
 
@@ -123,12 +124,12 @@ def test_each_epilogue_gets_its_tier_and_the_values_of_eager(name, dynamic):
 
 def test_a_tier_b_site_says_what_reads_its_norm():
     with fake_process_group() as group:
-        capture, _ = compile_and_run(lambda x, r, w: block(x, r, w, group.group_name, cast_then_gemm), *_inputs(),
+        capture, _ = compile_and_run(lambda x, r, w: block(x, r, w, group.group_name, second_rmsnorm), *_inputs(),
                                      backend=GraphCapture(patterns=PATTERNS))
         unfolded, _ = compile_and_run(lambda x, r, w: block(x, r, w, group.group_name, per_tensor_dynamic_fp8),
                                       *_inputs(), backend=GraphCapture(patterns=PATTERNS))
     (node,) = capture.graphs[0].graph.find_nodes(op="call_function", target=all_reduce)
-    assert "prims.convert_element_type" in node.meta[TIER_REASON] and "Inductor fuses" in node.meta[TIER_REASON]
+    assert "its norm's output feeds `" in node.meta[TIER_REASON] and "Inductor fuses" in node.meta[TIER_REASON]
     (node,) = unfolded.graphs[0].graph.find_nodes(op="call_function", target=all_reduce)
     assert "FP8 quantization the fused op cannot fold" in node.meta[TIER_REASON]
     assert "per-tensor" in node.meta[TIER_REASON], node.meta[TIER_REASON]
@@ -162,7 +163,7 @@ def test_an_all_reduce_without_a_norm_gets_the_fast_op_and_keeps_its_reason():
     _assert_bit_identical(got, expected, "no norm")
 
 
-@pytest.mark.parametrize("name", ["cast_then_gemm", "per_tensor_dynamic_fp8"])
+@pytest.mark.parametrize("name", ["clamp_then_scale", "per_tensor_dynamic_fp8"])
 def test_without_the_fast_allreduce_pattern_there_is_no_tier_b(name):
     """Without `fast_allreduce` the old behaviour: the site stays fused, whatever follows."""
     patterns = [p for p in PATTERNS if p != FAST_ALLREDUCE]
