@@ -132,7 +132,8 @@ def fast_all_reduces(graph: torch.fx.Graph, config: PassConfig) -> int:
     for collective in list(graph.find_nodes(op="call_function", target=ALL_REDUCE)):
         x, operation, group_name = collective.args[:3]
         waits = list(collective.users)
-        if operation != "sum" or len(waits) != 1 or not is_call(waits[0], WAIT_TENSOR) or val(x) is None:
+        if (operation != "sum" or len(waits) != 1 or not is_call(waits[0], WAIT_TENSOR) or val(x) is None
+                or val(x).dim() < 1):  # the op reduces rows of a last dimension
             continue
         if not config.fuse_without_fast_kernel and (val(x).device.type != "cuda" or kernel_refusal(val(x), group_name)):
             continue  # no all-reduce faster than Inductor's can run it (off CUDA: gloo is all there is)

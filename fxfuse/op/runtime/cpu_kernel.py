@@ -4,7 +4,8 @@
 setting on any rank is the same error on every rank, on CPU as on CUDA), a gloo all-reduce (in x
 itself when donated, contiguous and sharing no memory with the residual or weight), then the
 reference arithmetic `fxfuse.op.reference.add_rmsnorm`. Both the plain op (`fxfuse.op.schema`) and
-its FP8 variant (`fxfuse.op.fp8_schema`) register it.
+its FP8 variant (`fxfuse.op.fp8_schema`) register it; `all_reduce_cpu` and `all_reduce_in_place_cpu`
+are the all-reduce-only ops' (`fxfuse.op.all_reduce_schema`).
 """
 
 from __future__ import annotations
@@ -27,3 +28,22 @@ def allreduce_residual_rmsnorm_cpu(x, residual, weight, eps, group_name: str, x_
     dist.all_reduce(reduced, op=dist.ReduceOp.SUM, group=group)
     normed, residual_out = add_rmsnorm(reduced, residual, weight, float(eps), weight_offset, weight_in_fp32)
     return normed, residual_out.clone() if residual_out is x else residual_out
+
+
+def all_reduce_cpu(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """CPU kernel of `fxfuse::all_reduce`: the group's agreement on its first call, then a gloo all-reduce
+    of a contiguous copy."""
+    reduced = x.clone(memory_format=torch.contiguous_format)
+    all_reduce_in_place_cpu(reduced, group_name)
+    return reduced
+
+
+def all_reduce_in_place_cpu(x: torch.Tensor, group_name: str) -> None:
+    """CPU kernel of `fxfuse::all_reduce_`: the group's agreement on its first call, then a gloo all-reduce
+    in `x` (through a contiguous copy if x is not contiguous)."""
+    group = resolve_group(group_name)
+    agreed_config(group, x.device)
+    target = x if x.is_contiguous() else x.contiguous()
+    dist.all_reduce(target, op=dist.ReduceOp.SUM, group=group)
+    if target is not x:
+        x.copy_(target)

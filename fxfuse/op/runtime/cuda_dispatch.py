@@ -82,7 +82,7 @@ def _plan_for(key: tuple, group_name: str) -> CallPlan:
 def all_reduce_cuda(x: torch.Tensor, group_name: str, in_place: bool) -> torch.Tensor:
     """The all-reduce-only op on a CUDA tensor (`fxfuse.op.all_reduce_schema`): the plan cached for its
     shape; returns the sum (`x` itself when `in_place`)."""
-    hidden = x.shape[-1] if x.dim() else 1
+    hidden = x.shape[-1]
     key = (group_name, x.numel() // hidden if hidden else 0, hidden, x.dtype, ALL_REDUCE_ONLY)
     return _plan_for(key, group_name).all_reduce(x, in_place)
 

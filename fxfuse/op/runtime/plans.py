@@ -8,9 +8,10 @@ A plan is made once per call shape (`fxfuse.op.runtime.planning`) and called for
   backend emits where Inductor can prove `x` is dead), the all-reduce runs in x's memory unless the
   residual or weight shares it; otherwise on a copy.
 Each has an `fp8` form for the FP8 variant, whose quantization (`Fp8Epilogue`) runs in the kernel after
-the all-reduce, and an `all_reduce` form for the all-reduce-only op of tier (b) (`fxfuse.op.all_reduce_schema`):
-the same all-reduce with nothing after it (FlashInfer's TensorRT-LLM kernel with its kAllReduce pattern). Inputs that are not 16-byte aligned or contiguous are copied first: a copy is the same
-on every rank, where falling back on one rank only would hang the others. Calls are counted per plan
+the all-reduce, and an `all_reduce` form for the all-reduce-only op of tier (b)
+(`fxfuse.op.all_reduce_schema`): the same all-reduce with nothing after it (FlashInfer's TensorRT-LLM
+kernel with its kAllReduce pattern). Inputs that are not 16-byte aligned or contiguous are copied first:
+a copy is the same on every rank, where falling back on one rank only would hang the others. Calls are counted per plan
 (`fusion_stats`).
 """
 

@@ -22,16 +22,14 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed as dist
 
 from fxfuse.op.all_reduce_schema import IN_PLACE_SCHEMA, SCHEMA
-from fxfuse.op.decide.group_config import agreed_config
 from fxfuse.op.fp8_recipe import Fp8Recipe, check_fp8_arguments, quantize_fp8
 from fxfuse.op.fp8_schema import FP8_OP_NAME, FP8_OVERLOADS, fp8_overload_name, recipe_from_arguments, scale_divisor_value
 from fxfuse.op.kernels import native_fallback
 from fxfuse.op.kernels.native_build import load_native_library
-from fxfuse.op.reference import NORM_ARGUMENTS, add_rmsnorm, resolve_group
-from fxfuse.op.runtime.cpu_kernel import allreduce_residual_rmsnorm_cpu
+from fxfuse.op.reference import NORM_ARGUMENTS, add_rmsnorm
+from fxfuse.op.runtime.cpu_kernel import all_reduce_cpu, all_reduce_in_place_cpu, allreduce_residual_rmsnorm_cpu
 from fxfuse.op.schema import OP_NAME, OVERLOADS, RESULTS, overload_name
 
 #: Internal ops of the CUDA path (see `fxfuse.op.kernels.native_fallback`): the Python kernel that
@@ -86,25 +84,6 @@ def _cpu_norm_into(reduced, residual, weight, eps, residual_out, normed):
     expected_normed, expected_residual = add_rmsnorm(reduced, residual, weight, eps)
     residual_out.copy_(expected_residual)
     normed.copy_(expected_normed)
-
-
-def _cpu_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    """CPU kernel of `fxfuse::all_reduce`: the group's agreement on its first call, then a gloo all-reduce
-    of a contiguous copy."""
-    reduced = x.clone(memory_format=torch.contiguous_format)
-    _cpu_all_reduce_(reduced, group_name)
-    return reduced
-
-
-def _cpu_all_reduce_(x: torch.Tensor, group_name: str) -> None:
-    """CPU kernel of `fxfuse::all_reduce_`: the group's agreement on its first call, then a gloo all-reduce
-    in `x` (through a contiguous copy if x is not contiguous)."""
-    group = resolve_group(group_name)
-    agreed_config(group, x.device)
-    target = x if x.is_contiguous() else x.contiguous()
-    dist.all_reduce(target, op=dist.ReduceOp.SUM, group=group)
-    if target is not x:
-        x.copy_(target)
 
 
 def _cuda_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -212,9 +191,9 @@ _KERNELS.impl("allreduce_residual_rmsnorm_planned", allreduce_residual_rmsnorm_c
 _KERNELS.impl("allreduce_residual_rmsnorm_planned", _cuda_planned, "CUDA")
 _KERNELS.impl("add_rmsnorm_into", _cpu_norm_into, "CPU")
 _KERNELS.impl("add_rmsnorm_into", _cuda_norm_into, "CUDA")
-for _name, _cpu, _cuda in (("all_reduce", _cpu_all_reduce, None), ("all_reduce_", _cpu_all_reduce_, None),
-                           ("all_reduce_planned", _cpu_all_reduce, _cuda_all_reduce),
-                           ("all_reduce_planned_", _cpu_all_reduce_, _cuda_all_reduce_)):
+for _name, _cpu, _cuda in (("all_reduce", all_reduce_cpu, None), ("all_reduce_", all_reduce_in_place_cpu, None),
+                           ("all_reduce_planned", all_reduce_cpu, _cuda_all_reduce),
+                           ("all_reduce_planned_", all_reduce_in_place_cpu, _cuda_all_reduce_)):
     _KERNELS.impl(_name, _cpu, "CPU")
     if _cuda is not None:
         _KERNELS.impl(_name, _cuda, "CUDA")

@@ -195,62 +195,27 @@ class TrtllmFusionKernels:
         `weight_bias`, from 0.7.2; the policy picks this kernel for such sites only there). Safe inside
         CUDA-graph capture (no allocation, no host sync).
         """
-        num_tokens, hidden_size = x.shape
-        fusion = getattr(self._comm.trtllm_allreduce_fusion, "__wrapped__", self._comm.trtllm_allreduce_fusion)
-        fusion(
-            allreduce_in=x,
-            world_size=workspace.world_size,
-            world_rank=workspace.rank,
-            token_num=num_tokens,
-            hidden_dim=hidden_size,
-            workspace_ptrs=workspace.pointer_table,
-            launch_with_pdl=False,
-            trigger_completion_at_end=False,
-            fp32_acc=True,
-            pattern_code=self._comm.AllReduceFusionPattern.kARResidualRMSNorm,
-            use_oneshot=oneshot,
-            allreduce_out=None,
-            residual_in=residual,
-            residual_out=residual_out,
-            norm_out=norm_out,
-            quant_out=None,
-            scale_out=None,
-            rms_gamma=weight,
-            rms_eps=float(eps),
-            scale_factor=None,
-            layout_code=None,
-            **({"weight_bias": float(weight_offset)} if weight_offset else {}),
-        )
-
+        self._launch(workspace, x, self._comm.AllReduceFusionPattern.kARResidualRMSNorm, oneshot, residual_in=residual,
+                     residual_out=residual_out, norm_out=norm_out, rms_gamma=weight, rms_eps=float(eps),
+                     **({"weight_bias": float(weight_offset)} if weight_offset else {}))
 
     def all_reduce(self, workspace: TrtllmWorkspace, x: torch.Tensor, out: torch.Tensor, oneshot: bool) -> None:
         """Launch the kernel's all-reduce alone (pattern kAllReduce) on [tokens, hidden] contiguous, 16-byte
-        aligned tensors: out = sum over ranks of x, summed in fp32. Safe inside CUDA-graph capture."""
+        aligned tensors: out = sum over ranks of x, summed in fp32 (`out` may be `x`). Safe inside CUDA-graph
+        capture."""
+        self._launch(workspace, x, self._comm.AllReduceFusionPattern.kAllReduce, oneshot, allreduce_out=out)
+
+    def _launch(self, workspace: TrtllmWorkspace, x: torch.Tensor, pattern, oneshot: bool, **tensors) -> None:
+        """`trtllm_allreduce_fusion` on the workspace with fp32 accumulation, no PDL, `pattern`, and the
+        pattern's own arguments in `tensors` (every other output or input None)."""
         num_tokens, hidden_size = x.shape
         fusion = getattr(self._comm.trtllm_allreduce_fusion, "__wrapped__", self._comm.trtllm_allreduce_fusion)
-        fusion(
-            allreduce_in=x,
-            world_size=workspace.world_size,
-            world_rank=workspace.rank,
-            token_num=num_tokens,
-            hidden_dim=hidden_size,
-            workspace_ptrs=workspace.pointer_table,
-            launch_with_pdl=False,
-            trigger_completion_at_end=False,
-            fp32_acc=True,
-            pattern_code=self._comm.AllReduceFusionPattern.kAllReduce,
-            use_oneshot=oneshot,
-            allreduce_out=out,
-            residual_in=None,
-            residual_out=None,
-            norm_out=None,
-            quant_out=None,
-            scale_out=None,
-            rms_gamma=None,
-            rms_eps=None,
-            scale_factor=None,
-            layout_code=None,
-        )
+        arguments = dict(allreduce_out=None, residual_in=None, residual_out=None, norm_out=None, quant_out=None,
+                         scale_out=None, rms_gamma=None, rms_eps=None, scale_factor=None, layout_code=None)
+        fusion(allreduce_in=x, world_size=workspace.world_size, world_rank=workspace.rank, token_num=num_tokens,
+               hidden_dim=hidden_size, workspace_ptrs=workspace.pointer_table, launch_with_pdl=False,
+               trigger_completion_at_end=False, fp32_acc=True, pattern_code=pattern, use_oneshot=oneshot,
+               **{**arguments, **tensors})
 
 
 class _DeviceArray:
