@@ -77,6 +77,7 @@ def test_entry_point_without_importing_fxfuse():
         "fused_without_residual": 0,
         "allreduces_after": 0,
         "fp8_quantizations_folded": 0,
+        "fast_all_reduces": 0,
     }
 
 

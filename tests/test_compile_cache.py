@@ -97,10 +97,11 @@ def test_warm_compile_hits_both_caches_and_records_the_same(runs):
     (cold_record,), (warm_record,) = cold["records"], warm["records"]
     assert warm_record["from_cache"] is True
     assert {k: v for k, v in warm_record.items() if k != "from_cache"} == {k: v for k, v in cold_record.items() if k != "from_cache"}
-    assert warm["summary"] == cold["summary"] == {"allreduce_sites": 4, "fused_sites": 4, "merged": 0, "graphs_compiled": 1}
+    assert warm["summary"] == cold["summary"] == {"allreduce_sites": 4, "fused_sites": 4, "fast_all_reduces": 0, "merged": 0,
+                                                 "graphs_compiled": 1}
     assert warm["fxfuse"] == cold["fxfuse"] == {"allreduces_before": 4, "merged": 0, "fused_with_residual": 3,
                                                 "fused_without_residual": 1, "allreduces_after": 0,
-                                                "fp8_quantizations_folded": 0}
+                                                "fp8_quantizations_folded": 0, "fast_all_reduces": 0}
     assert warm["out"] == cold["out"]
     assert runs["dumps"]["warm"] == runs["dumps"]["cold"] == [
         "graph_000_rank0.after.txt", "graph_000_rank0.before.txt", "graph_000_rank0.diff.txt"]

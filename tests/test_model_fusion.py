@@ -200,9 +200,10 @@ def test_no_recompile_for_widths_1_to_128(eager_inner_results):
 @pytest.mark.slow
 def test_fusion_summary_for_the_runner(eager_inner_results):
     for rank in eager_inner_results:
-        assert rank["fusion_summary"] == {"allreduce_sites": 9, "fused_sites": 9, "merged": 0, "graphs_compiled": 1}
+        assert rank["fusion_summary"] == {"allreduce_sites": 9, "fused_sites": 9, "fast_all_reduces": 0, "merged": 0,
+                                           "graphs_compiled": 1}
     assert fusion_summary(FxfuseBackend(inner="eager")) == {
-        "allreduce_sites": None, "fused_sites": None, "merged": None, "graphs_compiled": 0
+        "allreduce_sites": None, "fused_sites": None, "fast_all_reduces": None, "merged": None, "graphs_compiled": 0
     }
 
 

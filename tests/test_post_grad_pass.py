@@ -283,7 +283,7 @@ def test_readme_example_with_the_pass_and_max_autotune(tmp_path):
         assert proc.returncode == 0, f"rank {rank} failed:\n{err[-3000:]}"  # the script checks its own numerics
     out = outputs[0][0]
     assert "{'allreduces_before': 1, 'merged': 0, 'fused_with_residual': 1, 'fused_without_residual': 0, " \
-           "'allreduces_after': 0, 'fp8_quantizations_folded': 0}" in out
+           "'allreduces_after': 0, 'fp8_quantizations_folded': 0, 'fast_all_reduces': 0}" in out
 
 
 @pytest.mark.slow

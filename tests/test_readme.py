@@ -67,9 +67,9 @@ def test_readme_example_runs_on_two_gloo_ranks(tmp_path):
         assert proc.returncode == 0, f"rank {rank} failed:\n{err[-3000:]}"
     out = outputs[0][0]
     assert "{'allreduces_before': 1, 'merged': 0, 'fused_with_residual': 1, 'fused_without_residual': 0, " \
-           "'allreduces_after': 0, 'fp8_quantizations_folded': 0}" in out
+           "'allreduces_after': 0, 'fp8_quantizations_folded': 0, 'fast_all_reduces': 0}" in out
     assert "FusionStats(allreduces_before=1, merged=0, fused_with_residual=1, fused_without_residual=0, " \
-           "allreduces_after=0, fp8_quantizations_folded=0)" in out
+           "allreduces_after=0, fp8_quantizations_folded=0, fast_all_reduces=0)" in out
     assert "fxfuse.allreduce_residual_rmsnorm" in out  # the diff shows the fused op
     assert outputs[1][0] == ""  # rank 1 prints nothing
     assert sorted(p.name for p in (tmp_path / "graphs").iterdir())[:3] == [

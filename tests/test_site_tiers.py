@@ -52,6 +52,22 @@ def per_tensor_dynamic_fp8(n):
     return (n.float() / scale).clamp(-448.0, 448.0).to(FP8), scale
 
 
+def moe_gather(n):
+    """A MoE block's experts: the norm output's rows gathered by token index (`aten.index`), then GEMMs."""
+    rows = n.view(-1, HIDDEN)
+    return rows[torch.tensor([3, 0, 0, 2])] @ torch.ones(HIDDEN, 8, dtype=n.dtype), gemm(rows)
+
+
+def gather_only(n):
+    """A gather alone reads the norm: Inductor inlines the norm into the gather's kernel."""
+    return n.view(-1, HIDDEN)[torch.tensor([3, 0, 0, 2])]
+
+
+def sandwich_residual_add(n):
+    """Gemma's sandwich norm: the residual is added to the norm's output, then the next norm reads the sum."""
+    return second_rmsnorm(n + 1.0)
+
+
 def fp8_and_gate(n):
     """A folded quantization for the experts and the gate's float32 cast reading the same norm output."""
     return (*vllm_per_token_fp8(n), cast_then_gemm(n))
@@ -61,7 +77,10 @@ def fp8_and_gate(n):
 EPILOGUES = {
     "gemm": (gemm, 1, 0, 0),
     "cast_then_gemm": (cast_then_gemm, 1, 0, 0),  # a cast only a GEMM reads stays with the GEMM
+    "moe_gather": (moe_gather, 1, 0, 0),  # with a GEMM reading the norm, the gather is a kernel of its own
+    "gather_only": (gather_only, 0, 0, 1),
     "clamp_then_scale": (clamp_then_scale, 0, 0, 1),
+    "sandwich_residual_add": (sandwich_residual_add, 0, 0, 1),
     "second_rmsnorm": (second_rmsnorm, 0, 0, 1),
     "vllm_per_token_fp8": (vllm_per_token_fp8, 1, 1, 0),
     "per_tensor_dynamic_fp8": (per_tensor_dynamic_fp8, 0, 0, 1),

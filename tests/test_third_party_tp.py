@@ -11,9 +11,9 @@
 - a gpt-fast-style and a DeepSeek-official-style model (`tp_styles`).
 
 Every model runs in float32 and bfloat16 under `torch.no_grad()`, compiled with `fullgraph=True` and the
-eager inner compiler; each test checks the exact numbers of all-reduces, merges and fused sites (on
-both ranks), that no all-reduce is left but those `LEFT_UNFUSED` names (with their reasons), and the compiled logits against the same model run eagerly:
-float32 within 1e-5 (relative to the largest logit), bfloat16 within the bound measured below. One
+eager inner compiler; each test checks the exact numbers of all-reduces, merges, fused sites and tier-(b)
+sites (on both ranks), that no all-reduce is left but those `LEFT_UNFUSED` names, which sites are in tier (b)
+(`TIER_B`, each with its reason), and the compiled logits against the same model run eagerly: float32 within 1e-5 (relative to the largest logit), bfloat16 within the bound measured below. One
 spawn of 2 ranks runs every model (transformers is imported once per rank); each test reads its result.
 """
 
@@ -38,31 +38,42 @@ FP32_BOUND = 1e-5
 #: (DeepseekV3: 2.9e-3, DeepSeek-official style: 3.9e-3). Bounds: about twice the measured values.
 BF16_BOUND = {"hf_deepseek_v3_tp_plan": 6e-3, "deepseek_official_style": 8e-3}
 
-#: (all-reduces before the passes, merged pairs, fused with residual, fused without residual).
+#: (all-reduces before the passes, merged pairs, fused with residual, fused without residual, all-reduce-only
+#: ops: tier (b), `fxfuse.passes.site_tiers`).
 EXPECTED_SITES = {
     # embedding (rowwise vocab) + 2 x (attention o_proj, MLP down_proj): every site fused
-    "hf_llama_tp_plan": (5, 0, 4, 1),
+    "hf_llama_tp_plan": (5, 0, 4, 1, 0),
     # transformers' DeepseekV3 plan shards only the MLPs (MLA attention stays replicated): embedding, the
     # dense layer's MLP, the MoE layer's experts + shared experts (merged, then fused into the final norm)
-    "hf_deepseek_v3_tp_plan": (4, 1, 2, 1),
-    # embedding + 2 x (attention, MoE experts viewed back to [batch, seq, hidden] before the residual add)
-    "hf_qwen3_moe_tp_plan": (5, 0, 4, 1),
+    "hf_deepseek_v3_tp_plan": (4, 1, 2, 1, 0),
+    # embedding + 2 x (attention, MoE experts viewed back to [batch, seq, hidden] before the residual add); the
+    # experts gather the norm's rows by token index, which reads it from memory as a GEMM does: tier (a)
+    "hf_qwen3_moe_tp_plan": (5, 0, 4, 1, 0),
     # Gemma 3: embedding (left: `LEFT_UNFUSED`) + 2 x (attention o_proj, MLP down_proj), each all-reduce
-    # straight into its sandwich norm (post-attention / post-feedforward, Gemma's `1 + w` in float32)
-    "hf_gemma3_tp_plan": (5, 0, 0, 4),
+    # straight into its sandwich norm (post-attention / post-feedforward, Gemma's `1 + w` in float32), whose
+    # output the residual add reads: Inductor fuses that norm, the add and the next norm into one kernel, so
+    # these four sites take the all-reduce-only op (tier b) and leave the norms to Inductor
+    "hf_gemma3_tp_plan": (5, 0, 0, 0, 4),
     # parallelize_module on attention and MLP projections only (embedding replicated): 2 x 2 sites
-    "torch_parallelize_module_llama": (4, 0, 4, 0),
-    "gpt_fast_style": (4, 0, 4, 0),
+    "torch_parallelize_module_llama": (4, 0, 4, 0, 0),
+    "gpt_fast_style": (4, 0, 4, 0, 0),
     # embedding, dense layer (attention, MLP), MoE layer (attention, routed + shared: merged)
-    "deepseek_official_style": (6, 1, 4, 1),
+    "deepseek_official_style": (6, 1, 4, 1, 0),
 }
 
-#: All-reduces left unfused, with the reason `report_compiled` gives: Gemma's scaled embedding multiplies
-#: the vocab-parallel sum by sqrt(hidden) before the first norm.
+#: All-reduces left to Inductor (tier c), with the reason `report_compiled` gives: Gemma's scaled embedding
+#: multiplies the vocab-parallel sum by sqrt(hidden) before the first norm.
 LEFT_UNFUSED = {
     "hf_gemma3_tp_plan": [(None, "embedding", "`mul` scales the all-reduced value before the RMSNorm: the fused op "
                            "norms the sum itself (scaling each rank's part before the all-reduce would round "
                            "differently)")],
+}
+#: Sites in tier (b): (layer, block) -> the reason `report_compiled` gives, as a pattern. Gemma's sandwich norms
+#: feed the residual add.
+SANDWICH = (r"its norm's output feeds `add(_\d+)?` \(aten\.add\.Tensor\), which Inductor fuses into the norm's "
+            r"kernel and the fused op cannot, so the add and norm stay with Inductor after a fast all-reduce")
+TIER_B = {
+    "hf_gemma3_tp_plan": {(layer, block): SANDWICH for layer in (0, 1) for block in ("attention", "MLP")},
 }
 
 
@@ -155,17 +166,20 @@ def _run_case(name: str, dtype: torch.dtype, ctx) -> dict:
     (record,) = backend.records
     stats = record.stats
     error = (compiled.float() - eager.float()).abs().max().item() / eager.float().abs().max().item()
-    unfused = []
-    if name in LEFT_UNFUSED:
+    unfused, tier_b = [], {}
+    if name in LEFT_UNFUSED or name in TIER_B:
         from fxfuse.inspect.compiled_report import report_compiled
 
         with torch.no_grad():
             report = report_compiled(forward, input_ids, fullgraph=True)
-        unfused = [(row.layer, row.block, row.reason) for row in report.sites if not row.fused]
+        unfused = [(row.layer, row.block, row.reason) for row in report.sites if row.tier == "c"]
+        tier_b = {(row.layer, row.block): row.reason for row in report.sites if row.tier == "b"}
     return {
-        "sites": (stats.allreduces_before, stats.merged, stats.fused_with_residual, stats.fused_without_residual),
+        "sites": (stats.allreduces_before, stats.merged, stats.fused_with_residual, stats.fused_without_residual,
+                  stats.fast_all_reduces),
         "allreduces_after": stats.allreduces_after,
         "unfused": unfused,
+        "tier_b": tier_b,
         "relative_error": error,
     }
 
@@ -209,6 +223,11 @@ def test_every_site_fused_and_numerics(results, name, dtype):
     left = LEFT_UNFUSED.get(name, [])
     assert [r["allreduces_after"] for r in per_rank] == [len(left)] * 2
     assert [r["unfused"] for r in per_rank] == [left] * 2
+    expected_b = TIER_B.get(name, {})
+    for result in per_rank:
+        assert result["tier_b"].keys() == expected_b.keys()
+        for site, reason in result["tier_b"].items():
+            assert re.fullmatch(expected_b[site], reason), (site, reason)
     bound = FP32_BOUND if dtype == torch.float32 else BF16_BOUND.get(name, 0.0)
     assert max(r["relative_error"] for r in per_rank) <= bound
 
