@@ -41,7 +41,8 @@ def test_defaults_sweep_every_quantization_and_both_shape_modes():
     args = parse([])
     assert args.tokens == DEFAULT_FALLBACK_TOKENS == tuple(2**i for i in range(13))
     assert args.hidden == (7168, 4096) and args.quant == list(FALLBACK_QUANT) == [
-        "none", "group", "row", "tensor", "row_reciprocal", "group_ue8m0"]
+        "none", "group", "row", "tensor", "row_reciprocal", "group_ue8m0", "clamp_scale", "second_rmsnorm"]
+    assert args.without == [] and parse(["--without", "fp8_epilogue"]).without == ["fp8_epilogue"]
     assert args.modes == list(FALLBACK_MODES) == ["static", "dynamic"]
     assert (args.repeats, args.iters, args.time_budget_s, args.input_sets) == (30, 20, None, 0)
     assert tuple(BLOCKS) == FALLBACK_QUANT  # one block per kind, in report order
@@ -50,7 +51,10 @@ def test_defaults_sweep_every_quantization_and_both_shape_modes():
 
 @pytest.mark.parametrize("argv, message", [
     (["--quant", "group", "--hidden", "4096,100"], "--quant group needs hidden sizes that are multiples of 128 (got 100)"),
-    (["--quant", "int4"], "argument --quant: expected a comma-separated subset of none, group, row, tensor, row_reciprocal, group_ue8m0, got 'int4'"),
+    (["--quant", "int4"], "argument --quant: expected a comma-separated subset of none, group, row, tensor, row_reciprocal, "
+                          "group_ue8m0, clamp_scale, second_rmsnorm, got 'int4'"),
+    (["--without", "fp8"], "argument --without: expected a comma-separated subset of merge_allreduce, "
+                           "allreduce_residual_rmsnorm, allreduce_rmsnorm, fp8_epilogue, fast_allreduce, got 'fp8'"),
     (["--modes", "fast"], "argument --modes: expected a comma-separated subset of static, dynamic, got 'fast'"),
     (["--time-budget-s", "0"], "argument --time-budget-s: must be a finite number above 0"),
     (["--tokens", "0"], "argument --tokens: each value must be between 1 and"),
@@ -142,8 +146,9 @@ def test_quant_blocks_match_their_float32_reference(monkeypatch):
                 assert torch.equal(q.view(torch.uint8), outputs[0].view(torch.uint8)) and torch.equal(scales, outputs[1])
 
 
-def fake_record(ops: dict[str, int], sites: int = 1):
-    return SimpleNamespace(after=SimpleNamespace(op_counts=Counter(ops)), stats=SimpleNamespace(allreduces_before=sites))
+def fake_record(ops: dict[str, int], sites: int = 1, fast: int = 0):
+    return SimpleNamespace(after=SimpleNamespace(op_counts=Counter(ops)),
+                           stats=SimpleNamespace(allreduces_before=sites, fast_all_reduces=fast))
 
 
 def test_fused_op_names_find_the_fp8_variant_by_name_where_it_exists():
@@ -157,41 +162,57 @@ def test_graph_fusion_counts_the_fused_op_nodes(monkeypatch):
 
     monkeypatch.setattr(fallback, "fused_op_names", lambda: [NORM_OP, FP8_OP])  # as once the op has the variant
     assert graph_fusion(fake_record({NORM_OP: 1, "aten.amax": 1}), "group") == {
-        "allreduce_sites": 1, "fused_ops": {NORM_OP: 1}, "site_fused": True, "quant_fused": False}
+        "allreduce_sites": 1, "fused_ops": {NORM_OP: 1}, "site_fused": True, "tier": "a", "quant_fused": False}
     assert graph_fusion(fake_record({FP8_OP: 1}), "row") == {
-        "allreduce_sites": 1, "fused_ops": {FP8_OP: 1}, "site_fused": True, "quant_fused": True}
+        "allreduce_sites": 1, "fused_ops": {FP8_OP: 1}, "site_fused": True, "tier": "a", "quant_fused": True}
     assert graph_fusion(fake_record({NORM_OP: 1}), "none")["quant_fused"] is None
-    assert graph_fusion(fake_record({"_c10d_functional.all_reduce": 1}), "none")["site_fused"] is False
-    assert graph_fusion(fake_record({}, sites=0), "none")["site_fused"] is False
+    assert graph_fusion(fake_record({"fxfuse.all_reduce": 1}, fast=1), "clamp_scale") == {
+        "allreduce_sites": 1, "fused_ops": {}, "site_fused": False, "tier": "b", "quant_fused": False}
+    assert graph_fusion(fake_record({"_c10d_functional.all_reduce": 1}), "none")["tier"] == "c"
+    assert graph_fusion(fake_record({}, sites=0), "none")["tier"] == "c"
+
+
+#: (kind, passes left out) -> the site's tier: every FP8 kind folds into the op (issue 29) unless the
+#: fp8_epilogue pass is left out; a clamp and a scale or a second norm go to tier (b).
+EXPECTED_TIERS = {
+    **{(quant, ()): "a" for quant in ("none", "group", "row", "tensor", "row_reciprocal", "group_ue8m0")},
+    **{(quant, ("fp8_epilogue",)): "b" for quant in ("group", "row", "tensor", "row_reciprocal", "group_ue8m0")},
+    ("clamp_scale", ()): "b", ("second_rmsnorm", ()): "b",
+}
 
 
 def compile_and_check_on_one_rank(ctx) -> dict:
     """Every quantization kind compiled both ways (eager after the passes), static and dynamic, at 1, 2
-    and 8 tokens: each point's row (checks, fusion) and each mode's fusion summary."""
+    and 8 tokens, with every pass and (FP8 kinds) without fp8_epilogue: each point's row (checks,
+    fusion) and each mode's fusion summary."""
     from fxfuse.bench.fallback import Variants, checked_point
 
     out = {}
     with torch.no_grad():
-        for quant in BLOCKS:
+        for quant, without in EXPECTED_TIERS:
             for dynamic in (False, True):
-                variants = Variants(quant, dynamic, compiler="eager")
+                variants = Variants(quant, dynamic, compiler="eager", without=without)
                 rows = [checked_point(variants, tokens, 256, CPU, ctx.group.group_name)[0] for tokens in (1, 2, 8)]
-                out[(quant, dynamic)] = (rows, variants.summary(256))
+                out[(quant, without, dynamic)] = (rows, variants.summary(256))
     return out
 
 
 @pytest.mark.slow
-def test_every_point_compiles_fuses_the_site_and_checks_out():
+def test_every_point_compiles_tiers_the_site_and_checks_out():
     (results,) = run_on_ranks(compile_and_check_on_one_rank, 1, timeout_s=600)
-    for (quant, dynamic), (rows, summary) in results.items():
+    assert set(BLOCKS) == {quant for quant, _ in EXPECTED_TIERS}
+    for (quant, without, dynamic), (rows, summary) in results.items():
         assert [r["tokens"] for r in rows] == [1, 2, 8] and all(r["ok"] for r in rows), rows
         assert all(set(r["check"]) == {"inductor", "fxfuse"} for r in rows)
         # static shapes: one compile per point; dynamic: the 1-token graph, then one for 2 and 8
         assert len(summary["graphs"]) == (2 if dynamic else 3), summary
+        tier = EXPECTED_TIERS[quant, without]
         for graph in summary["graphs"]:
-            assert graph["allreduce_sites"] == 1 and sum(graph["fused_ops"].values()) == 1 and graph["site_fused"]
-            # the quantization in the op exactly when the graph holds the FP8 variant (today: never)
+            assert graph["allreduce_sites"] == 1 and graph["tier"] == tier, (quant, without, graph)
+            assert sum(graph["fused_ops"].values()) == (tier == "a") and graph["site_fused"] == (tier == "a")
+            # the quantization in the op exactly when the graph holds the FP8 variant
             assert graph["quant_fused"] == (None if quant == "none" else FP8_OP in graph["fused_ops"])
+            assert graph["quant_fused"] in (None, tier == "a" and quant not in ("clamp_scale", "second_rmsnorm"))
 
 
 def row(quant, dynamic, tokens, inductor_us, fused_us, ok=True, fp8=False):
@@ -202,7 +223,7 @@ def row(quant, dynamic, tokens, inductor_us, fused_us, ok=True, fp8=False):
             "fused_us": fused_us, "fused_p25": fused_us, "fused_p75": fused_us, "ratio": fused_us / inductor_us,
             "input_sets": 10 if tokens < 1024 else 7,
             "check": {"inductor": dict(check, ok=True), "fxfuse": check},
-            "fusion": {"allreduce_sites": 1, "fused_ops": fused_ops, "site_fused": True, "quant_fused": fp8}}
+            "fusion": {"allreduce_sites": 1, "fused_ops": fused_ops, "site_fused": True, "tier": "a", "quant_fused": fp8}}
 
 
 def fake_report():
@@ -236,8 +257,8 @@ def test_failures_name_each_failed_point():
         "row static hidden 7168 tokens 2048: RuntimeError: lowering failed",
     ]
     unfused = fake_report()
-    unfused["rows"][0]["fusion"]["site_fused"] = False
-    assert "group static hidden 7168 tokens 1: the fxfuse variant did not fuse the all-reduce site" in failures(unfused)[0]
+    unfused["rows"][0]["fusion"].update(site_fused=False, tier="c")
+    assert "group static hidden 7168 tokens 1: the fxfuse variant left the all-reduce site to Inductor" in failures(unfused)[0]
 
 
 def test_overview_gives_each_modes_ratio_range_and_inductors_dynamic_slowdown():
@@ -259,7 +280,7 @@ def test_markdown_has_a_table_per_quantization_and_mode():
         "## FP8 per token group of 128, dynamic scales: dynamic shapes (dynamic=True, one graph for every token count above 1)",
         "## FP8 per row, dynamic scales (torchao's PerRow arithmetic): static shapes (dynamic=False, one compile per token count)",
     ]
-    assert ("- fxfuse graphs compiled: 2; all-reduce site fused in 2 of them; fused-op nodes per graph: "
+    assert ("- fxfuse graphs compiled: 2; the all-reduce site fused in 2; fused-op nodes per graph: "
             "fxfuse.allreduce_residual_rmsnorm x1; quantization fused into the op: no (Inductor quantizes the op's "
             "normed output)") in text
     assert "quantization fused into the op: yes, in every graph" in text
@@ -267,6 +288,10 @@ def test_markdown_has_a_table_per_quantization_and_mode():
     assert "| 7168 | 2048 | - | - | - | ERROR: RuntimeError: lowering failed |" in text
     assert ("- inputs: the calls cycled through 7-10 copies of input and residual per point (--input-sets 0: enough "
             "to cover twice the L2 cache of 50 MiB, at most 10; 1 = L2-hot)") in text
+    assert "FxfuseBackend(fuse_without_fast_kernel=True): the site fused (tier a)" in text
+    without = fake_report()
+    without["fxfuse_without"] = ["fp8_epilogue"]
+    assert "FxfuseBackend(fuse_without_fast_kernel=True, patterns without fp8_epilogue)" in markdown(without)
     older = fake_report()
     del older["input_sets"]
     assert "- inputs: every captured call read the same inputs (L2-hot)" in markdown(older)

@@ -15,6 +15,7 @@ import argparse
 from pathlib import Path
 
 from fxfuse.command_line import WEIGHT_SPELLINGS, add_dtype_option, at_least, comma_subset, int_list, positive_float, spelled
+from fxfuse.passes.config import PATTERNS
 from fxfuse.runner.options import BACKENDS, DYNAMIC_CHOICES
 
 
@@ -68,7 +69,7 @@ DEFAULT_HIDDEN = (7168, 4096)
 #: Fallback benchmark defaults: token counts 1 .. 4096; the quantization kinds after the norm
 #: (`fxfuse.bench.fallback_blocks`) and the shape modes (static: `dynamic=False`, dynamic: `dynamic=True`).
 DEFAULT_FALLBACK_TOKENS = tuple(2**i for i in range(13))
-FALLBACK_QUANT = ("none", "group", "row", "tensor", "row_reciprocal", "group_ue8m0")
+FALLBACK_QUANT = ("none", "group", "row", "tensor", "row_reciprocal", "group_ue8m0", "clamp_scale", "second_rmsnorm")
 FALLBACK_MODES = ("static", "dynamic")
 #: The per-token-group quantization's group: `--hidden` must be a multiple of it with `--quant group`.
 QUANT_GROUP = 128
@@ -182,8 +183,15 @@ def add_fallback_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant", type=comma_subset(FALLBACK_QUANT), default=list(FALLBACK_QUANT),
                    help="what follows the norm: none, FP8 per token group of 128 (group), per row (row), with one "
                         "static scale (tensor), per row times the scale's reciprocal as vLLM writes it (row_reciprocal), "
-                        "per group of 128 with vLLM's UE8M0 power-of-two scales (group_ue8m0); comma-separated "
+                        "per group of 128 with vLLM's UE8M0 power-of-two scales (group_ue8m0), no FP8 but a clamp then "
+                        "a scale (clamp_scale) or a second RMSNorm (second_rmsnorm), which fxfuse leaves to Inductor "
+                        "after its all-reduce-only op (tier b); comma-separated "
                         f"(default {_joined(FALLBACK_QUANT)})")
+    p.add_argument("--without", type=comma_subset(PATTERNS), default=[],
+                   help="compile the fxfuse variant without these passes (`fxfuse.passes.config.PATTERNS`; "
+                        "comma-separated): `--without fp8_epilogue` leaves every FP8 quantization unfolded, so such "
+                        "sites go to tier (b) (the all-reduce-only op, then Inductor's add, norm and quantization); "
+                        "default: every pass")
     p.add_argument("--modes", type=comma_subset(FALLBACK_MODES), default=list(FALLBACK_MODES),
                    help="compile with static shapes (dynamic=False: one compile per token count) and/or dynamic "
                         f"shapes (dynamic=True); comma-separated (default {_joined(FALLBACK_MODES)})")

@@ -9,7 +9,9 @@ and each shape mode (`--modes`), this benchmark compiles the same block twice:
   Inductor's own add-RMSNorm(-quantization) code;
 - `fxfuse`: `torch.compile(backend=FxfuseBackend(fuse_without_fast_kernel=True))`: the same graph with
   the site fused, so the fused op runs its NCCL plan (all-reduce in the donated x, then the fused
-  add-RMSNorm kernel); a quantization the pass does not fuse into the op is left to Inductor.
+  add-RMSNorm kernel); where the norm feeds code Inductor would fuse into it and the op cannot fold (a
+  clamp and a scale, a second norm, an FP8 quantization with `--without fp8_epilogue`), the site is in
+  tier (b): the all-reduce-only op on its NCCL plan, then Inductor's own add, norm and epilogue.
 Shape modes: `static` (`dynamic=False`: one compile per token count, as engines that capture one
 graph per width compile) and `dynamic` (`dynamic=True`: one graph for every count above 1, where
 Inductor's own code is slower). Both variants are captured in CUDA graphs of `--iters` calls and
@@ -23,7 +25,7 @@ the next for the same point. Every point checks both variants against a
 float32 reference (`fallback_blocks.check_outputs`: FP8 outputs dequantized, within one e4m3 step;
 scales within `SCALE_TOLERANCE`), and records what the fxfuse backend fused in each graph it compiled
 (its fused-op nodes, and whether the quantization went into the op: `allreduce_residual_rmsnorm_fp8`).
-It also measures the host cost per call outside CUDA graphs (the norm-only block at 1 token, per mode).
+It also measures the host cost per call outside CUDA graphs (each block at 1 token, per mode).
 One process, one GPU, NCCL with one rank: the numbers say what the fallback costs, not what fusing
 saves (that needs two or more GPUs).
 
@@ -35,7 +37,7 @@ lists the rest as skipped.
 
 Writes bench/results/fallback_<gpu>_<stamp>.json (fields gpu, world_size, versions, date, command,
 rows: [{tokens, hidden, quant, dynamic, fused_us, inductor_us, ratio, quartiles, check, fusion}],
-fusion, host_cost, op_parts, skipped) and .md (`fxfuse.bench.fallback_report`).
+fusion, host_cost, op_parts, skipped, fxfuse_without) and .md (`fxfuse.bench.fallback_report`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from fxfuse.bench.fallback_blocks import BLOCKS, EPS, block_inputs, check_output
 from fxfuse.bench.fallback_report import failures, file_stem, markdown
 from fxfuse.bench.output import one_gpu_arguments, package_versions, publish, report_header, write_result_files
 from fxfuse.bench.replay import interleaved_wall_us, replay_timings
+from fxfuse.passes.config import PATTERNS
 from fxfuse.runner.launch import run_on_ranks
 
 #: The fused op's overloads by name as graph snapshots count them; the FP8 variant where it exists.
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return status
     options = {name: list(dict.fromkeys(getattr(args, name))) for name in ("tokens", "hidden", "quant", "modes")}
     options.update(repeats=args.repeats, iters=args.iters, host_calls=args.host_calls, time_budget_s=args.time_budget_s,
-                   input_sets=args.input_sets)
+                   input_sets=args.input_sets, without=list(args.without))
     report = run_on_ranks(bench_rank, 1, options, device="cuda", timeout_s=1800)[0]
     publish(report, "fallback", argv, lambda r: write_result_files(
         args.out_dir / file_stem(r), r, markdown(r), lambda path: False), markdown)
@@ -94,11 +97,14 @@ def fused_op_names() -> list[str]:
 
 def graph_fusion(record, quant: str) -> dict:
     """What one fxfuse compile did: all-reduce sites before the passes, fused-op nodes by op name after,
-    whether the site is fused (as many fused-op nodes as sites) and, with a quantization, whether it went
-    into the op (an `..._fp8` node; None for `none`)."""
+    whether the site is fused (as many fused-op nodes as sites), its tier (`fxfuse.passes.site_tiers`: "a"
+    fused, "b" the all-reduce-only op with the add and norm left to Inductor, "c" Inductor's all-reduce)
+    and, with a quantization, whether it went into the op (an `..._fp8` node; None for `none`)."""
     ops = {name: record.after.op_counts[name] for name in fused_op_names() if record.after.op_counts[name]}
     sites = record.stats.allreduces_before
-    return {"allreduce_sites": sites, "fused_ops": ops, "site_fused": sites > 0 and sum(ops.values()) >= sites,
+    fused = sites > 0 and sum(ops.values()) >= sites
+    tier = "a" if fused else "b" if sites > 0 and record.stats.fast_all_reduces >= sites else "c"
+    return {"allreduce_sites": sites, "fused_ops": ops, "site_fused": fused, "tier": tier,
             "quant_fused": None if quant == "none" else ops.get(FP8_OP, 0) > 0}
 
 
@@ -112,8 +118,9 @@ class Variants:
     code generation).
     """
 
-    def __init__(self, quant: str, dynamic: bool, compiler: str = "inductor"):
+    def __init__(self, quant: str, dynamic: bool, compiler: str = "inductor", without: tuple[str, ...] = ()):
         self.quant, self.dynamic, self.compiler = quant, dynamic, compiler
+        self.patterns = tuple(pattern for pattern in PATTERNS if pattern not in without)
         self.backends: list = []
         self.current: dict[str, Callable] | None = None
 
@@ -123,7 +130,7 @@ class Variants:
 
         if self.current is None or not self.dynamic:
             torch._dynamo.reset()
-            backend = FxfuseBackend(inner=self.compiler, fuse_without_fast_kernel=True)
+            backend = FxfuseBackend(inner=self.compiler, patterns=self.patterns, fuse_without_fast_kernel=True)
             self.backends.append(backend)
             block = BLOCKS[self.quant]
             self.current = {
@@ -164,7 +171,7 @@ def checked_point(variants: Variants, tokens: int, hidden: int, device: torch.de
         row["first_call_s"][name] = time.perf_counter() - began
         row["check"][name] = check_outputs(quant, outputs, reference)
     row["fusion"] = graph_fusion(variants.records[-1], quant)
-    row["ok"] = all(check["ok"] for check in row["check"].values()) and row["fusion"]["site_fused"]
+    row["ok"] = all(check["ok"] for check in row["check"].values()) and row["fusion"]["tier"] != "c"
     return row, inputs
 
 
@@ -185,7 +192,7 @@ def bench_rank(ctx, options: dict) -> dict:
         measured = False
         for quant in options["quant"]:
             for mode in options["modes"]:
-                variants = Variants(quant, mode == "dynamic")
+                variants = Variants(quant, mode == "dynamic", without=tuple(options["without"]))
                 for tokens in options["tokens"]:
                     point = {"tokens": tokens, "hidden": hidden, "quant": quant, "dynamic": variants.dynamic}
                     budget = options["time_budget_s"]
@@ -195,8 +202,8 @@ def bench_rank(ctx, options: dict) -> dict:
                     row, inputs = _measured_point(variants, point, device, group_name, options)
                     rows.append(row)
                     measured = True
-                    if quant == "none" and tokens == 1 and inputs is not None:
-                        host_rows.append({"hidden": hidden, "dynamic": variants.dynamic,
+                    if tokens == 1 and inputs is not None:
+                        host_rows.append({"hidden": hidden, "quant": quant, "dynamic": variants.dynamic,
                                           **_host_cost(variants.current, inputs, group_name, options["host_calls"])})
                 if variants.backends:
                     fusion.append(variants.summary(hidden))
@@ -212,6 +219,7 @@ def bench_rank(ctx, options: dict) -> dict:
         "l2_bytes": options["l2_bytes"],
         "repeats": options["repeats"],
         "time_budget_s": options["time_budget_s"],
+        "fxfuse_without": options["without"],
         "native_fallback": native_installed(),
         "fallback_calls": dict(fusion_stats()["fallback"]),
         "rows": rows,

@@ -25,7 +25,11 @@ quantization of the normed output as models and libraries write it:
   `exp2(ceil(log2(s)))`, bf16 groups divided by float32 scales); returns (q [T, H], scales [T, H/128, 1]
   as the code leaves them, residual);
 - `tensor`: one static scale, `(x.float() * inv_scale).clamp(-448, 448)` cast, with `inv_scale` a
-  0-dim float32 input; returns (q [T, H], residual).
+  0-dim float32 input; returns (q [T, H], residual);
+- `clamp_scale`: no quantization but a clamp to +-CLAMP then a multiply by SCALE (pointwise code the
+  fused op cannot take: the site goes to tier (b)); returns (out [T, H] bf16, residual);
+- `second_rmsnorm`: a second transformers-style RMSNorm of the normed output with its own weight (tier
+  (b) as well); returns (out [T, H] bf16, residual).
 `fp32_reference` computes the same chain in float32 from the inputs, independently of the blocks;
 `check_outputs` compares a block's outputs with it (dequantized values for FP8 outputs).
 """
@@ -62,6 +66,11 @@ E4M3_SUBNORMAL_STEP = 2.0**-9
 #: Relative error allowed for a scale: four bf16 roundings of 2**-8 at most each (residual, norm, weight,
 #: row's bf16 divide) come to at most 2**-6; twice that (still a quarter of one e4m3 step).
 SCALE_TOLERANCE = 2.0**-5
+#: `clamp_scale`'s bound and factor: the clamp cuts the normed values' tails (|x| > 2 is a few per cent of them).
+CLAMP = 2.0
+SCALE = 0.5
+#: Kinds with a bf16 output after the norm (no FP8): checked like `none`'s normed output.
+BF16_EPILOGUE_KINDS = ("clamp_scale", "second_rmsnorm")
 #: Headroom of the static per-tensor scale over the largest normed value (a calibrated scale's margin).
 STATIC_SCALE_HEADROOM = 1.25
 
@@ -128,14 +137,31 @@ def tensor_block(inp: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor
     return q, hidden
 
 
+def clamp_scale_block(inp: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, proj: torch.Tensor,
+                      group_name: str):
+    """`block`, then a clamp and a scale of the normed output: (out, residual)."""
+    normed, hidden = _allreduce_add_rmsnorm(inp, residual, weight, proj, group_name)
+    return normed.clamp(-CLAMP, CLAMP) * SCALE, hidden
+
+
+def second_rmsnorm_block(inp: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, proj: torch.Tensor,
+                         group_name: str):
+    """`block`, then a second RMSNorm of the normed output (weight `2 - weight`): (out, residual)."""
+    normed, hidden = _allreduce_add_rmsnorm(inp, residual, weight, proj, group_name)
+    n = normed.float()
+    return (2 - weight) * (n * torch.rsqrt(n.pow(2).mean(-1, keepdim=True) + EPS)).to(normed.dtype), hidden
+
+
 #: Quantization kind (`fxfuse.bench.arguments.FALLBACK_QUANT`) -> its block.
 BLOCKS: dict[str, Callable] = {"none": block, "group": group_block, "row": row_block, "tensor": tensor_block,
-                               "row_reciprocal": row_reciprocal_block, "group_ue8m0": group_ue8m0_block}
+                               "row_reciprocal": row_reciprocal_block, "group_ue8m0": group_ue8m0_block,
+                               "clamp_scale": clamp_scale_block, "second_rmsnorm": second_rmsnorm_block}
 
 
 @dataclass(frozen=True)
 class Reference:
-    """The chain in float32: the residual sum, the normed output and (FP8 kinds) the float32 scales."""
+    """The chain in float32: the residual sum, the normed output (for the bf16 epilogue kinds: the epilogue's
+    output) and (FP8 kinds) the float32 scales."""
 
     hidden: torch.Tensor
     normed: torch.Tensor
@@ -175,6 +201,11 @@ def fp32_reference(quant: str, inputs: tuple[torch.Tensor, ...]) -> Reference:
     hidden, normed = _fp32_norm(*inputs[:4])
     if quant == "none":
         scales = None
+    elif quant == "clamp_scale":
+        normed, scales = normed.clamp(-CLAMP, CLAMP) * SCALE, None
+    elif quant == "second_rmsnorm":
+        weight = 2 - inputs[2].float()
+        normed, scales = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + EPS) * weight, None
     elif quant == "group":
         scales = normed.view(normed.shape[0], -1, GROUP).abs().amax(-1).clamp_min(MIN_AMAX) / FP8_MAX
     elif quant == "row":
@@ -200,14 +231,14 @@ def _expanded(scales: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 def check_outputs(quant: str, outputs: tuple[torch.Tensor, ...], reference: Reference) -> dict:
     """How far a block's outputs are from the float32 reference, and whether that is within bounds.
 
-    Always `residual_rel_err` (relative L2, bound `BF16_TOLERANCE`). For `none`, `normed_rel_err`
-    (relative L2, same bound). For FP8 kinds, `dequant_err_over_bound`: the largest
+    Always `residual_rel_err` (relative L2, bound `BF16_TOLERANCE`). For `none` and the bf16 epilogue
+    kinds, `normed_rel_err` (the output after the norm, relative L2, same bound). For FP8 kinds, `dequant_err_over_bound`: the largest
     |q * scale - normed| / (E4M3_STEP * |normed| + E4M3_SUBNORMAL_STEP * scale) over the elements (at
     most 1: within one e4m3 step), and for the dynamic kinds `scale_rel_err`, the largest relative
     error of a scale (bound `SCALE_TOLERANCE`). `ok` says whether every measure is within its bound.
     """
     result = {"residual_rel_err": relative_l2_error(outputs[-1], reference.hidden)}
-    if quant == "none":
+    if quant == "none" or quant in BF16_EPILOGUE_KINDS:
         result["normed_rel_err"] = relative_l2_error(outputs[0], reference.normed)
         result["ok"] = all(err <= BF16_TOLERANCE for err in result.values())  # False for NaN too
         return result

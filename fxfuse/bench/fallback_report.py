@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 from fxfuse.bench.arguments import FALLBACK_QUANT
-from fxfuse.bench.fallback_blocks import BF16_TOLERANCE, SCALE_TOLERANCE
+from fxfuse.bench.fallback_blocks import BF16_EPILOGUE_KINDS, BF16_TOLERANCE, SCALE_TOLERANCE
 from fxfuse.bench.output import gpu_slug, header_lines, mode_name
 
 QUANT_TITLES = {
@@ -23,7 +23,11 @@ QUANT_TITLES = {
     "tensor": "FP8 per tensor, one static scale",
     "row_reciprocal": "FP8 per row, dynamic scales times their reciprocal (vLLM's per-token arithmetic)",
     "group_ue8m0": "FP8 per token group of 128, power-of-two (UE8M0) scales (vLLM's per-group arithmetic)",
+    "clamp_scale": "a clamp then a scale of the norm's bf16 output",
+    "second_rmsnorm": "a second RMSNorm of the norm's bf16 output",
 }
+#: Site tiers as `graph_fusion` records them, in words.
+TIER_WORDS = {"a": "fused", "b": "all-reduce-only op (tier b)", "c": "left to Inductor (tier c)"}
 
 
 def file_stem(report: dict[str, Any]) -> str:
@@ -45,8 +49,8 @@ def failures(report: dict[str, Any]) -> list[str]:
         for variant, check in row["check"].items():
             if not check["ok"]:
                 problems.append(f"{_point(row)}: {variant} outside the bounds ({_measures(check)})")
-        if not row["fusion"]["site_fused"]:
-            problems.append(f"{_point(row)}: the fxfuse variant did not fuse the all-reduce site ({row['fusion']})")
+        if row["fusion"]["tier"] == "c":
+            problems.append(f"{_point(row)}: the fxfuse variant left the all-reduce site to Inductor ({row['fusion']})")
     return problems
 
 
@@ -99,9 +103,10 @@ def _fusion_line(entries: list[dict[str, Any]], quant: str) -> str:
         for name, count in g["fused_ops"].items():
             ops.setdefault(name, set()).add(count)
     nodes = "; ".join(f"{name} x{'/'.join(map(str, sorted(counts)))}" for name, counts in ops.items()) or "none"
-    line = (f"- fxfuse graphs compiled: {len(graphs)}; all-reduce site fused in {sum(g['site_fused'] for g in graphs)} "
-            f"of them; fused-op nodes per graph: {nodes}")
-    if quant != "none":
+    tiers = "; ".join(f"{TIER_WORDS[tier]} in {count}" for tier in TIER_WORDS
+                      if (count := sum(g["tier"] == tier for g in graphs)))
+    line = f"- fxfuse graphs compiled: {len(graphs)}; the all-reduce site {tiers}; fused-op nodes per graph: {nodes}"
+    if quant not in ("none", *BF16_EPILOGUE_KINDS):
         fused = sum(bool(g["quant_fused"]) for g in graphs)
         line += ("; quantization fused into the op: " + ("yes, in every graph" if fused == len(graphs) else
                  f"in {fused} of {len(graphs)} graphs" if fused else "no (Inductor quantizes the op's normed output)"))
@@ -116,8 +121,8 @@ def _check_cell(row: dict[str, Any]) -> str:
     if "error" in row:
         return f"ERROR: {row['error']}"
     bad = [f"{variant}: {_measures(check)}" for variant, check in row["check"].items() if not check["ok"]]
-    if not row["fusion"]["site_fused"]:
-        bad.append("site not fused")
+    if row["fusion"]["tier"] == "c":
+        bad.append("site left to Inductor")
     return "FAILED " + "; ".join(bad) if bad else "ok"
 
 
@@ -155,6 +160,12 @@ def _input_sets_line(report: dict[str, Any]) -> str:
             f"({chosen}; 1 = L2-hot)")
 
 
+def _without(report: dict[str, Any]) -> str:
+    """`, patterns without X` for a report whose fxfuse variant ran without some passes; else empty."""
+    without = report.get("fxfuse_without") or []
+    return f", patterns without {', '.join(without)}" if without else ""
+
+
 def _range(value: tuple[float, float] | None) -> str:
     return "-" if value is None else f"{value[0]:.3f}-{value[1]:.3f}"
 
@@ -167,7 +178,9 @@ def markdown(report: dict[str, Any]) -> str:
         "microseconds per call; variants interleaved; ratio = fxfuse / Inductor",
         f"- inputs: {_input_sets_line(report)}",
         "- variants: `inductor` = torch.compile(backend=\"inductor\"); `fxfuse` = "
-        "FxfuseBackend(fuse_without_fast_kernel=True): the site fused, the op on its NCCL fallback",
+        "FxfuseBackend(fuse_without_fast_kernel=True" + _without(report) + "): the site fused (tier a) or, where the "
+        "norm feeds code the op cannot fold, the all-reduce-only op then Inductor's add, norm and epilogue (tier b); "
+        "each op on its NCCL plan",
         f"- check, both variants at every point, against float32: bf16 outputs within {BF16_TOLERANCE:g} relative L2, "
         f"FP8 outputs dequantized within one e4m3 step, scales within {SCALE_TOLERANCE:g} relative: "
         f"{sum(r['ok'] for r in rows)} of {len(rows)} points passed",
@@ -185,11 +198,12 @@ def markdown(report: dict[str, Any]) -> str:
         for dynamic in (False, True):
             lines += _table(report, quant, dynamic)
     if report["host_cost"]:
-        lines += ["", f"Host cost per uncaptured call (norm only, 1 token; the op's C++ fallback "
+        lines += ["", f"Host cost per uncaptured call (1 token; the op's C++ fallback "
                       f"{'installed' if report.get('native_fallback') else 'NOT installed'}; median (p25-p75) of "
-                      "interleaved rounds):", "", "| hidden | mode | Inductor us | fxfuse us | ratio |", "|---:|---|---:|---:|---:|"]
+                      "interleaved rounds):", "", "| block | hidden | mode | Inductor us | fxfuse us | ratio |",
+                  "|---|---:|---|---:|---:|---:|"]
         for r in report["host_cost"]:
-            lines.append(f"| {r['hidden']} | {mode_name(r['dynamic'])} | {r['inductor_host_us']:.1f} "
+            lines.append(f"| {r.get('quant', 'none')} | {r['hidden']} | {mode_name(r['dynamic'])} | {r['inductor_host_us']:.1f} "
                          f"({r['inductor_host_p25']:.1f}-{r['inductor_host_p75']:.1f}) | {r['fused_host_us']:.1f} "
                          f"({r['fused_host_p25']:.1f}-{r['fused_host_p75']:.1f}) | {r['ratio']:.3f} |")
     if report["op_parts"]:

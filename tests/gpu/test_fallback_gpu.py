@@ -209,7 +209,8 @@ def test_the_backend_installs_the_cpp_fallback_when_it_compiles_fused_cuda_sites
 
 def test_the_fallback_sweep_checks_times_and_records_every_point(tmp_path):
     """`fxfuse bench fallback` at 2 token counts, hidden 4096, every quantization kind, static and dynamic
-    shapes: every point passes its float32 check, has both timings, and its fxfuse graph fused the site."""
+    shapes: every point passes its float32 check, has both timings, and its fxfuse graph fused the site (tier a)
+    or, after a clamp or a second norm, gave it the all-reduce-only op (tier b)."""
     import json
 
     from fxfuse.bench.arguments import FALLBACK_QUANT
@@ -223,9 +224,10 @@ def test_the_fallback_sweep_checks_times_and_records_every_point(tmp_path):
     points = [(r["quant"], r["dynamic"], r["tokens"]) for r in report["rows"]]
     assert points == [(q, d, t) for q in FALLBACK_QUANT for d in (False, True) for t in (1, 64)]
     for row in report["rows"]:
-        assert row["ok"] and row["fused_us"] > 0 and row["inductor_us"] > 0 and row["fusion"]["site_fused"], row
+        tier = "b" if row["quant"] in ("clamp_scale", "second_rmsnorm") else "a"
+        assert row["ok"] and row["fused_us"] > 0 and row["inductor_us"] > 0 and row["fusion"]["tier"] == tier, row
         assert row["input_sets"] == 2  # tiny inputs: one copy per captured call
     graphs = {(f["quant"], f["dynamic"]): len(f["graphs"]) for f in report["fusion"]}
     assert set(graphs.values()) == {2}  # static: one per token count; dynamic: 1 token, then the rest
-    assert [(h["dynamic"], h["hidden"]) for h in report["host_cost"]] == [(False, 4096), (True, 4096)]
+    assert [(h["quant"], h["dynamic"]) for h in report["host_cost"]] == [(q, d) for q in FALLBACK_QUANT for d in (False, True)]
     assert report["skipped"] == [] and path.with_suffix(".md").exists()
