@@ -18,7 +18,11 @@ memory too (`fxfuse.op.reference.may_overlap`), in case some later rewrite bring
 
 The all-reduce-only op of tier (b) (`fxfuse.op.all_reduce_schema`) becomes `auto_functionalized` of its
 in-place twin `all_reduce_` the same way (its users read the written `x`, output 1), so that it all-reduces
-in x's memory exactly where Inductor's own all-reduce would, and on a copy elsewhere.
+in x's memory exactly where Inductor's own all-reduce would, and on a copy elsewhere. Output 1 gets a fake
+value of its own (new storage), as functionalization gives it: re-inplacing decides by storage, and a
+value sharing x's storage read after the op counts as a later use of x, so Inductor would copy x first.
+torch 2.13 re-derives that value before re-inplacing; torch 2.11 keeps the pass's, and there the copy cost
+the tier-(b) site 9-39% against Inductor on an H200 (bench/results/fallback_nvidia-h200_20261203-034335).
 
 Eager-inner compiles skip this pass (nothing would re-inplace there); the graphs recorded by the
 backend are those before it.
@@ -71,8 +75,9 @@ def _donate_all_reduces(graph: torch.fx.Graph) -> int:
             wrapped = graph.call_function(auto_functionalized, (all_reduce_,), {"x": x, "group_name": group_name})
             reduced = graph.call_function(operator.getitem, (wrapped, 1))
         kept = {k: v for k, v in node.meta.items() if k != "eager_input_vals"}
-        wrapped.meta = {**kept, "val": (None, x.meta["val"])}
-        reduced.meta = {**kept, "val": x.meta["val"]}
+        reduced_val = x.meta["val"].clone()  # a fake tensor: new storage, x's sizes and strides
+        wrapped.meta = {**kept, "val": (None, reduced_val)}
+        reduced.meta = {**kept, "val": reduced_val}
         node.replace_all_uses_with(reduced)
         graph.erase_node(node)
     return len(nodes)
