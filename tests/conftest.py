@@ -4,7 +4,17 @@ when it is decorated), so it is set here, before any test module imports a kerne
 
 import os
 
+import pytest
 import torch
+from native_helpers import build_native_library
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def native_library(tmp_path_factory) -> str:
+    """A folder holding the C++ fallback's library, built once for the session (about 15 s of one core per
+    build): the tests that load it from a cache folder only read it, so they share this one. Skips the
+    calling test where this machine has no C++ compiler."""
+    return build_native_library(tmp_path_factory.mktemp("native"))

@@ -12,7 +12,6 @@ import operator
 import pytest
 import torch
 import torch.distributed._functional_collectives as funcol
-from native_helpers import build_native_library
 from nccl_plan_helpers import use_nccl_plans
 from toy_graphs import GraphCapture, compile_and_run, fake_process_group
 
@@ -159,9 +158,8 @@ def test_kernels_never_all_reduce_over_memory_they_read_afterwards():
 
 
 @pytest.mark.slow
-def test_the_cpp_fallback_never_all_reduces_over_memory_it_reads_afterwards(tmp_path):
-    cache = build_native_library(tmp_path)
-    _check_kernels(run_on_ranks(_kernels_on_rank, 2, cache, timeout_s=300), dict(rtol=1e-5, atol=1e-5))
+def test_the_cpp_fallback_never_all_reduces_over_memory_it_reads_afterwards(native_library):
+    _check_kernels(run_on_ranks(_kernels_on_rank, 2, native_library, timeout_s=300), dict(rtol=1e-5, atol=1e-5))
 
 
 def _compiled_on_rank(ctx):

@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from fault_fakes import FakeTrtllmKernels, patched, raising
-from native_helpers import build_native_library
 
 from fxfuse.runner.launch import run_on_ranks
 
@@ -285,8 +284,8 @@ def _native_build_fails_on_last_rank(ctx, native_cache: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_a_native_build_failing_on_one_rank_changes_no_collective(world_size, tmp_path):
-    results = run_on_ranks(_native_build_fails_on_last_rank, world_size, build_native_library(tmp_path), timeout_s=600)
+def test_a_native_build_failing_on_one_rank_changes_no_collective(world_size, native_library):
+    results = run_on_ranks(_native_build_fails_on_last_rank, world_size, native_library, timeout_s=600)
     assert [r["installed"] for r in results] == [True] * (world_size - 1) + [False]
     assert [r["cpp_calls"] for r in results] == [2] * (world_size - 1) + [0]
     for r in results[1:]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from nccl_plan_helpers import use_nccl_plans
 
-from fxfuse.op.kernels.native_build import compiler, library_path
+from fxfuse.op.kernels.native_build import compiler
 from fxfuse.op.reference import add_rmsnorm
 from fxfuse.runner.launch import run_on_ranks
 
@@ -25,15 +25,12 @@ OVERLOADS = ("allreduce_residual_rmsnorm", "allreduce_residual_rmsnorm.tensor_ep
 
 
 @pytest.fixture(scope="module")
-def native_cache(tmp_path_factory):
-    """A cache folder holding the built library; ranks started while it is set load it from there."""
-    from fxfuse.op.kernels.native_build import build
-
-    folder = tmp_path_factory.mktemp("native")
+def native_cache(native_library):
+    """The session's cache folder holding the built library (`native_library`); ranks started while it is
+    set load it from there."""
     previous = os.environ.get("FXFUSE_NATIVE_CACHE")
-    os.environ["FXFUSE_NATIVE_CACHE"] = str(folder)
-    build(compiler(), library_path(compiler()))
-    yield folder
+    os.environ["FXFUSE_NATIVE_CACHE"] = native_library
+    yield native_library
     if previous is None:
         del os.environ["FXFUSE_NATIVE_CACHE"]
     else:

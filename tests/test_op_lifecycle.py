@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from fault_fakes import FakeTrtllmKernels, patched
-from native_helpers import build_native_library
 from test_fault_matrix import HIDDEN, _fake_machine
 
 from fxfuse.op.reference import add_rmsnorm
@@ -153,9 +152,8 @@ def _reuse_in_cpp_on_rank(ctx, store: str, native_cache: str):
 
 
 @pytest.mark.slow
-def test_the_cpp_fallback_drops_a_shape_registered_for_the_old_group(tmp_path):
-    native = build_native_library(tmp_path / "native")
-    out = run_on_ranks(_reuse_in_cpp_on_rank, 2, str(tmp_path / "store"), native, timeout_s=300)[0]
+def test_the_cpp_fallback_drops_a_shape_registered_for_the_old_group(tmp_path, native_library):
+    out = run_on_ranks(_reuse_in_cpp_on_rank, 2, str(tmp_path / "store"), native_library, timeout_s=300)[0]
     assert out["cpp_calls_old_group"] == 1 and out["cpp_calls_after"] == 1  # the old registration served the old group only
     x, normed, residual_out = out["values"]
     torch.testing.assert_close((normed, residual_out), add_rmsnorm(x, None, torch.ones(HIDDEN).half(), 1e-6))
@@ -290,6 +288,6 @@ def _cpp_refuses_on_rank(ctx, native_cache: str):
 
 
 @pytest.mark.slow
-def test_the_cpp_fallback_hands_a_misshapen_weight_to_python_which_refuses_it(tmp_path):
-    for message in run_on_ranks(_cpp_refuses_on_rank, 2, build_native_library(tmp_path), timeout_s=300):
+def test_the_cpp_fallback_hands_a_misshapen_weight_to_python_which_refuses_it(native_library):
+    for message in run_on_ranks(_cpp_refuses_on_rank, 2, native_library, timeout_s=300):
         assert "weight [1, 8] must be [hidden] = [8]" in message
