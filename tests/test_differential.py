@@ -7,7 +7,8 @@ Each case is compiled with `FxfuseBackend(inner="eager")` and, for a share of th
 and its inputs after the call (programs mutate some) must equal eager's: float32 within 1e-5, float16
 and bfloat16 within 4 rounding steps of the dtype, dtypes and shapes exactly. A failing case is shrunk
 (`differential_cases.simpler`) to a smaller one that still fails, and reported with its seed and source.
-The quick loop runs `QUICK_CASES` seeds, `slow` `SLOW_CASES` more. Run other seeds with
+The quick loop runs `QUICK_CASES` seeds, `slow` `SLOW_CASES` more; when both tests are selected, both
+sets of seeds run in one spawn of the ranks (`outcomes`). Run other seeds with
 `.venv/bin/python tests/test_differential.py FIRST COUNT [INDUCTOR_SHARE]`.
 """
 
@@ -24,11 +25,17 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from collective_order import OrderCheckedBackend
 from differential_cases import Case, make_inputs, random_case, render, simpler
+from selection import selected
 
 from fxfuse.runner.launch import run_on_ranks
 
 QUICK_CASES = 30
 SLOW_CASES = 300
+#: Each test's seeds, share of cases also compiled with Inductor, and seconds its cases may take.
+SEED_SETS = {
+    "test_differential_quick": (list(range(QUICK_CASES)), 0.07, 400),
+    "test_differential_slow": (list(range(QUICK_CASES, QUICK_CASES + SLOW_CASES)), 0.05, 2400),
+}
 #: Relative (and, times the largest expected magnitude, absolute) tolerance by a case's activation dtype.
 TOLERANCE = {"float32": 1e-5, "float16": 4 * 2.0**-10, "bfloat16": 4 * 2.0**-7}
 #: Shrinking compiles at most this many smaller cases.
@@ -144,35 +151,57 @@ def check_cases_on_rank(ctx, seeds: list[int], inductor_share: float) -> tuple[d
     return failures, counts
 
 
+def check_sets_on_rank(ctx, sets: list[tuple[list[int], float]]) -> list[tuple[dict[int, tuple[bool, str]], Counter]]:
+    """`check_cases_on_rank` of each (seeds, inductor share) in turn, on one process group."""
+    return [check_cases_on_rank(ctx, seeds, inductor_share) for seeds, inductor_share in sets]
+
+
+def run_case_sets(sets: list[tuple[list[int], float]], timeout_s: float) -> list[tuple[list[str], Counter]]:
+    """Every case of every set on 2 gloo ranks (one spawn), per set: one report per failing seed (from
+    the first rank it failed on) and rank 0's counts."""
+    results = run_on_ranks(check_sets_on_rank, 2, sets, timeout_s=timeout_s)
+    outcomes = []
+    for per_rank in zip(*results):
+        reports = {}
+        for failures, _ in per_rank:
+            for seed, (failed_here, text) in failures.items():
+                if seed not in reports or failed_here and not reports[seed][0]:
+                    reports[seed] = (failed_here, text)
+        outcomes.append(([reports[seed][1] for seed in sorted(reports)], per_rank[0][1]))
+    return outcomes
+
+
 def run_cases(seeds: list[int], inductor_share: float, timeout_s: float) -> tuple[list[str], Counter]:
-    """Every case on 2 gloo ranks: one report per failing seed (from the first rank it failed on) and
-    rank 0's counts."""
-    results = run_on_ranks(check_cases_on_rank, 2, seeds, inductor_share, timeout_s=timeout_s)
-    reports = {}
-    for failures, _ in results:
-        for seed, (failed_here, text) in failures.items():
-            if seed not in reports or failed_here and not reports[seed][0]:
-                reports[seed] = (failed_here, text)
-    return [reports[seed][1] for seed in sorted(reports)], results[0][1]
+    """`run_case_sets` of one set."""
+    (outcome,) = run_case_sets([(seeds, inductor_share)], timeout_s)
+    return outcome
 
 
-def _assert_all_pass(seeds: list[int], inductor_share: float, timeout_s: float) -> Counter:
-    failures, counts = run_cases(seeds, inductor_share, timeout_s)
+@pytest.fixture(scope="module")
+def outcomes(request) -> dict[str, tuple[list[str], Counter]]:
+    """{test name: (failure reports, counts)} of the selected tests' seed sets, from one spawn of the ranks
+    (its timeout: the sum of theirs)."""
+    names = [name for name in SEED_SETS if selected(request, name)]
+    sets = [SEED_SETS[name][:2] for name in names]
+    return dict(zip(names, run_case_sets(sets, timeout_s=sum(SEED_SETS[name][2] for name in names))))
+
+
+def _assert_all_pass(outcomes: dict, name: str) -> Counter:
+    failures, counts = outcomes[name]
     assert not failures, f"{len(failures)} failing case report(s):\n\n" + "\n\n".join(failures)
-    assert counts["invalid"] <= len(seeds) // 10, counts  # the generator draws programs eager runs
+    assert counts["invalid"] <= len(SEED_SETS[name][0]) // 10, counts  # the generator draws programs eager runs
     return counts
 
 
-def test_differential_quick():
+def test_differential_quick(outcomes):
     """30 cases (2 of them also under Inductor): about a minute on 2 busy cores."""
-    counts = _assert_all_pass(list(range(QUICK_CASES)), inductor_share=0.07, timeout_s=400)
+    counts = _assert_all_pass(outcomes, "test_differential_quick")
     assert counts["fused"] > QUICK_CASES // 3 and counts["merged"] > 0 and counts["compiled_inductor"] > 0, counts
 
 
 @pytest.mark.slow
-def test_differential_slow():
-    seeds = list(range(QUICK_CASES, QUICK_CASES + SLOW_CASES))
-    counts = _assert_all_pass(seeds, inductor_share=0.05, timeout_s=2400)
+def test_differential_slow(outcomes):
+    counts = _assert_all_pass(outcomes, "test_differential_slow")
     assert counts["fused"] > SLOW_CASES // 3 and counts["compiled_inductor"] > SLOW_CASES // 20, counts
 
 
