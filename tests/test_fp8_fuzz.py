@@ -5,7 +5,8 @@ draws) compiled with the fxfuse backend (eager inner compiler) on 2 gloo ranks, 
 For each case: the pass folds exactly the draws it must (`Fp8Case.folds`) and gives the expected reason for
 the others; every output (e4m3 codes, scales, the residual sum, the normed output when read) equals eager's
 bit for bit (on CPU the fused op's arithmetic is the unfused torch code's). `QUICK_CASES` seeds in the quick
-loop, `SLOW_CASES` more under `slow`; other seeds: `.venv/bin/python tests/test_fp8_fuzz.py FIRST COUNT`.
+loop, `SLOW_CASES` more under `slow`, in one spawn of the ranks when both are selected (`failures`); other
+seeds: `.venv/bin/python tests/test_fp8_fuzz.py FIRST COUNT`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from fp8_fuzz_cases import Fp8Case, random_case, render
+from selection import selected
 from toy_graphs import GraphCapture, compile_and_run
 
 from fxfuse.op.schema import NORM_OPS
@@ -28,6 +30,11 @@ from fxfuse.runner.launch import run_on_ranks
 
 QUICK_CASES = 24
 SLOW_CASES = 240
+#: Each test's first seed, number of seeds, and seconds its cases may take.
+SEED_RANGES = {
+    "test_random_fp8_quantizations_fold_exactly_when_they_should_and_equal_eager": (0, QUICK_CASES, 600),
+    "test_more_random_fp8_quantizations": (QUICK_CASES, SLOW_CASES, 3000),
+}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -83,28 +90,46 @@ def check_case(case: Fp8Case, group_name: str, rank: int) -> str | None:
     return None
 
 
-def _cases_on_rank(ctx, first: int, count: int) -> list:
-    return [(seed, check_case(random_case(seed), ctx.group.group_name, ctx.rank)) for seed in range(first, first + count)]
+def _cases_on_rank(ctx, ranges: list[tuple[int, int]]) -> list[list]:
+    """Per (first seed, count) of `ranges`: (seed, what is wrong or None) of each case, on this rank."""
+    return [[(seed, check_case(random_case(seed), ctx.group.group_name, ctx.rank)) for seed in range(first, first + count)]
+            for first, count in ranges]
 
 
-def _failures(first: int, count: int, timeout_s: int) -> list[str]:
-    failures = []
-    for rank_results in run_on_ranks(_cases_on_rank, 2, first, count, timeout_s=timeout_s):
-        for seed, problem in rank_results:
-            if problem is not None:
-                failures.append(f"seed {seed}: {problem}\n{random_case(seed)}\n{render(random_case(seed))}")
+def _failures_of_ranges(ranges: list[tuple[int, int]], timeout_s: int) -> list[list[str]]:
+    """Every case of every range on 2 gloo ranks (one spawn): per range, a report per failing case and rank."""
+    failures = [[] for _ in ranges]
+    for rank_results in run_on_ranks(_cases_on_rank, 2, ranges, timeout_s=timeout_s):
+        for found, range_results in zip(failures, rank_results):
+            for seed, problem in range_results:
+                if problem is not None:
+                    found.append(f"seed {seed}: {problem}\n{random_case(seed)}\n{render(random_case(seed))}")
     return failures
 
 
-def test_random_fp8_quantizations_fold_exactly_when_they_should_and_equal_eager():
-    failures = _failures(0, QUICK_CASES, timeout_s=600)
-    assert not failures, "\n".join(failures[:3])
+def _failures(first: int, count: int, timeout_s: int) -> list[str]:
+    (failures,) = _failures_of_ranges([(first, count)], timeout_s)
+    return failures
+
+
+@pytest.fixture(scope="module")
+def failures(request) -> dict[str, list[str]]:
+    """{test name: failure reports} of the selected tests' seeds, from one spawn of the ranks (its timeout:
+    the sum of theirs)."""
+    names = [name for name in SEED_RANGES if selected(request, name)]
+    ranges = [SEED_RANGES[name][:2] for name in names]
+    return dict(zip(names, _failures_of_ranges(ranges, timeout_s=sum(SEED_RANGES[name][2] for name in names))))
+
+
+def test_random_fp8_quantizations_fold_exactly_when_they_should_and_equal_eager(failures):
+    found = failures["test_random_fp8_quantizations_fold_exactly_when_they_should_and_equal_eager"]
+    assert not found, "\n".join(found[:3])
 
 
 @pytest.mark.slow
-def test_more_random_fp8_quantizations():
-    failures = _failures(QUICK_CASES, SLOW_CASES, timeout_s=3000)
-    assert not failures, "\n".join(failures[:3])
+def test_more_random_fp8_quantizations(failures):
+    found = failures["test_more_random_fp8_quantizations"]
+    assert not found, "\n".join(found[:3])
 
 
 def test_the_draws_cover_every_choice():
