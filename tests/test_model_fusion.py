@@ -20,8 +20,8 @@ Numerics against the eager model, over a 12-token prefill and decode/verify step
 
 The DeepSeek-official variant (shared experts all-reducing on their own, merged then fused) is
 covered at block level by tests/test_merge_allreduce.py; the reference model has one all-reduce
-per MoE block, so there is nothing to merge here. All checks of a rank run in one spawn per
-inner compiler: each spawn compiles the model several times (tens of seconds each on 2 cores).
+per MoE block, so there is nothing to merge here. All checks of a rank run in one spawn, the eager
+inner compiler's then Inductor's: it compiles the model several times (tens of seconds each on 2 cores).
 """
 
 from __future__ import annotations
@@ -160,14 +160,26 @@ def inductor_checks(ctx: ParallelContext) -> dict:
     return {"errors": [relative_error(c, e) for e, c in logits], **graph_summary(backend)}
 
 
-@pytest.fixture(scope="module")
-def eager_inner_results():
-    return run_on_ranks(eager_inner_checks, 2)
+def all_checks(ctx: ParallelContext) -> dict:
+    """One rank: the eager-inner checks, then the Inductor ones (each resets dynamo first)."""
+    return {"eager_inner": eager_inner_checks(ctx), "inductor": inductor_checks(ctx)}
 
 
 @pytest.fixture(scope="module")
-def inductor_results():
-    return run_on_ranks(inductor_checks, 2)
+def results():
+    """Every rank's results of both check sets, from one spawn of 2 gloo ranks (the ranks start, import
+    torch and join the group once instead of twice)."""
+    return run_on_ranks(all_checks, 2)
+
+
+@pytest.fixture(scope="module")
+def eager_inner_results(results):
+    return [rank["eager_inner"] for rank in results]
+
+
+@pytest.fixture(scope="module")
+def inductor_results(results):
+    return [rank["inductor"] for rank in results]
 
 
 def assert_every_site_fused(summary: dict, layers: int) -> None:
