@@ -176,12 +176,26 @@ def test_merged_sites_are_fused_and_marked():
     assert (report.allreduce_sites, report.fused_sites, report.fused_ops, report.merged) == (2, 2, 1, 1)
 
 
+@pytest.fixture(scope="module")
+def deepseek_v3_tp8():
+    """DeepSeek-V3 at its real widths and all 61 layers, reported at tp=8: one trace (minutes on 2 cores)
+    that this preset's tp=8 tests share."""
+    return report_model(get_preset("deepseek-v3"), 8, name="deepseek-v3")
+
+
 @pytest.mark.parametrize("preset", ["deepseek-v3", "kimi-k2"])
 @pytest.mark.slow
-def test_full_width_presets_at_tp8(preset):
-    """The real widths at tp=8, cut to 4 layers (dense and MoE layers of both presets): all fused."""
-    report = report_model(get_preset(preset, layers=4), 8, name=preset)
-    assert report.allreduce_sites == report.fused_sites == report.fused_ops == 9
+def test_full_width_presets_at_tp8(preset, request):
+    """The real widths at tp=8 (dense and MoE layers of both presets): all fused. Kimi-K2 is cut to 4
+    layers; DeepSeek-V3 reads the full-depth trace (`deepseek_v3_tp8`) instead of tracing a 4-layer cut
+    too: layers are built from their index alone, so its first 4 are the cut's, and its last layer's sum
+    goes into the final norm as the cut's layer 3 does."""
+    if preset == "deepseek-v3":
+        report = request.getfixturevalue("deepseek_v3_tp8")
+    else:
+        report = report_model(get_preset(preset, layers=4), 8, name=preset)
+    sites = 1 + 2 * report.layers  # the embedding, then attention and MLP/MoE per layer
+    assert report.allreduce_sites == report.fused_sites == report.fused_ops == sites
     assert {row.block for row in report.sites} == {"embedding", "attention", "MLP", "MoE"}
 
 
@@ -213,9 +227,9 @@ def test_cli_report_rejects_bad_input(argv, message, capsys):
 
 
 @pytest.mark.slow
-def test_deepseek_v3_tp8_full_depth():
+def test_deepseek_v3_tp8_full_depth(deepseek_v3_tp8):
     """All 61 layers at tp=8: 122 layer sites + the embedding, every one fused (minutes on 2 cores)."""
-    report = report_model(get_preset("deepseek-v3"), 8, name="deepseek-v3")
+    report = deepseek_v3_tp8
     assert report.allreduce_sites == report.fused_sites == report.fused_ops == 123
     assert [row.layer for row in report.sites[1:]] == [i for i in range(61) for _ in range(2)]
 
