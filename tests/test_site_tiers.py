@@ -237,13 +237,28 @@ def test_other_reductions_stay_inductors():
     assert _tiers(capture.graphs[0].graph) == (0, 0, 0) and [d.tier for d in capture.site_decisions] == ["c"]
 
 
+def _gemm_output_read_again(inp, residual, weight, proj, group_name):
+    """`_producer_block`, and the GEMM's output read after the all-reduce: the op must not write it."""
+    x = inp @ proj
+    return block(x, residual, weight, group_name, clamp_then_scale), x * 2
+
+
+#: Blocks whose all-reduced x is a GEMM's output (written in place, or copied where it is read again) ->
+#: their tier-(b) op count, for the two-rank check beside `EPILOGUES`.
+GEMM_BLOCKS = {"gemm_output_reduced_in_place": (_producer_block, 1), "gemm_output_read_again": (_gemm_output_read_again, 1)}
+
+
 def _compiled_vs_eager_on_rank(ctx, inner: str) -> list:
-    """Every epilogue, compiled (all patterns) and eager, on real two-rank sums."""
+    """Every epilogue and GEMM block, compiled (all patterns) and eager, on real two-rank sums."""
     group_name = ctx.group.group_name
     results = []
-    for name, (epilogue, *_) in EPILOGUES.items():
-        inputs = _inputs(10 + ctx.rank)
-        fn = lambda x, r, w: block(x, r, w, group_name, epilogue)  # noqa: E731
+    cases = {name: (lambda x, r, w, e=epilogue: block(x, r, w, group_name, e), _inputs(10 + ctx.rank))
+             for name, (epilogue, *_) in EPILOGUES.items()}
+    g = torch.Generator().manual_seed(20 + ctx.rank)
+    gemm_inputs = (torch.randn(4, 64, generator=g).bfloat16(), *_inputs(10 + ctx.rank)[1:],
+                   torch.randn(64, HIDDEN, generator=g).bfloat16())
+    cases |= {name: (lambda *a, f=fn: f(*a, group_name), gemm_inputs) for name, (fn, _) in GEMM_BLOCKS.items()}
+    for name, (fn, inputs) in cases.items():
         backend = FxfuseBackend(inner=inner)
         _, got = compile_and_run(fn, *inputs, backend=backend)
         results.append((name, _picklable(got), _picklable(fn(*inputs)), backend.records[-1].stats.fast_all_reduces))
@@ -258,7 +273,7 @@ def _picklable(out) -> list[torch.Tensor]:
 def _check_ranks(outputs, inner: str) -> None:
     for rank_results in outputs:
         for name, got, expected, fast in rank_results:
-            assert fast == EPILOGUES[name][3], (inner, name, fast)
+            assert fast == (GEMM_BLOCKS[name][1] if name in GEMM_BLOCKS else EPILOGUES[name][3]), (inner, name, fast)
             if inner == "eager":
                 _assert_bit_identical(got, expected, name)
             else:  # Inductor's own code for the norm and what follows: its rounding, within bf16 / one e4m3 step
