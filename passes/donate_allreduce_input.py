@@ -21,8 +21,9 @@ in-place twin `all_reduce_` the same way (its users read the written `x`, output
 in x's memory exactly where Inductor's own all-reduce would, and on a copy elsewhere. Output 1 gets a fake
 value of its own (new storage), as functionalization gives it: re-inplacing decides by storage, and a
 value sharing x's storage read after the op counts as a later use of x, so Inductor would copy x first.
-torch 2.13 re-derives that value before re-inplacing; torch 2.11 keeps the pass's, and there the copy cost
-the tier-(b) site 9-39% against Inductor on an H200 (bench/results/fallback_nvidia-h200_20261203-034335).
+torch 2.13 re-derives that value before re-inplacing; torch 2.11 keeps the pass's, and there the copy made
+a tier-(b) site up to 1.44x Inductor's time on an H200 (1.73x under dynamic shapes;
+bench/results/fallback_nvidia-h200_20261203-034335).
 
 Eager-inner compiles skip this pass (nothing would re-inplace there); the graphs recorded by the
 backend are those before it.
