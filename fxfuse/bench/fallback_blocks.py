@@ -69,8 +69,8 @@ SCALE_TOLERANCE = 2.0**-5
 #: `clamp_scale`'s bound and factor: the clamp cuts the normed values' tails (|x| > 2 is a few per cent of them).
 CLAMP = 2.0
 SCALE = 0.5
-#: Kinds with a bf16 output after the norm (no FP8): checked like `none`'s normed output.
-BF16_EPILOGUE_KINDS = ("clamp_scale", "second_rmsnorm")
+#: Kinds whose output after the norm is bf16 (no FP8 quantization): `none` and the bf16 epilogues.
+BF16_OUTPUT_KINDS = ("none", "clamp_scale", "second_rmsnorm")
 #: Headroom of the static per-tensor scale over the largest normed value (a calibrated scale's margin).
 STATIC_SCALE_HEADROOM = 1.25
 
@@ -231,14 +231,14 @@ def _expanded(scales: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 def check_outputs(quant: str, outputs: tuple[torch.Tensor, ...], reference: Reference) -> dict:
     """How far a block's outputs are from the float32 reference, and whether that is within bounds.
 
-    Always `residual_rel_err` (relative L2, bound `BF16_TOLERANCE`). For `none` and the bf16 epilogue
-    kinds, `normed_rel_err` (the output after the norm, relative L2, same bound). For FP8 kinds, `dequant_err_over_bound`: the largest
-    |q * scale - normed| / (E4M3_STEP * |normed| + E4M3_SUBNORMAL_STEP * scale) over the elements (at
-    most 1: within one e4m3 step), and for the dynamic kinds `scale_rel_err`, the largest relative
+    Always `residual_rel_err` (relative L2, bound `BF16_TOLERANCE`). For `BF16_OUTPUT_KINDS`,
+    `normed_rel_err` (the output after the norm, relative L2, same bound). For FP8 kinds,
+    `dequant_err_over_bound`: the largest |q * scale - normed| / (E4M3_STEP * |normed| +
+    E4M3_SUBNORMAL_STEP * scale) over the elements (at most 1: within one e4m3 step), and for the dynamic kinds `scale_rel_err`, the largest relative
     error of a scale (bound `SCALE_TOLERANCE`). `ok` says whether every measure is within its bound.
     """
     result = {"residual_rel_err": relative_l2_error(outputs[-1], reference.hidden)}
-    if quant == "none" or quant in BF16_EPILOGUE_KINDS:
+    if quant in BF16_OUTPUT_KINDS:
         result["normed_rel_err"] = relative_l2_error(outputs[0], reference.normed)
         result["ok"] = all(err <= BF16_TOLERANCE for err in result.values())  # False for NaN too
         return result

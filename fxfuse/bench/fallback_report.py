@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 from fxfuse.bench.arguments import FALLBACK_QUANT
-from fxfuse.bench.fallback_blocks import BF16_EPILOGUE_KINDS, BF16_TOLERANCE, SCALE_TOLERANCE
+from fxfuse.bench.fallback_blocks import BF16_OUTPUT_KINDS, BF16_TOLERANCE, SCALE_TOLERANCE
 from fxfuse.bench.output import gpu_slug, header_lines, mode_name
 
 QUANT_TITLES = {
@@ -106,7 +106,7 @@ def _fusion_line(entries: list[dict[str, Any]], quant: str) -> str:
     tiers = "; ".join(f"{TIER_WORDS[tier]} in {count}" for tier in TIER_WORDS
                       if (count := sum(g["tier"] == tier for g in graphs)))
     line = f"- fxfuse graphs compiled: {len(graphs)}; the all-reduce site {tiers}; fused-op nodes per graph: {nodes}"
-    if quant not in ("none", *BF16_EPILOGUE_KINDS):
+    if quant not in BF16_OUTPUT_KINDS:
         fused = sum(bool(g["quant_fused"]) for g in graphs)
         line += ("; quantization fused into the op: " + ("yes, in every graph" if fused == len(graphs) else
                  f"in {fused} of {len(graphs)} graphs" if fused else "no (Inductor quantizes the op's normed output)"))
