@@ -267,7 +267,8 @@ def _casts_preferring(value: torch.fx.Node, dtype: torch.dtype | None) -> list[t
 
 def emit_node(graph: torch.fx.Graph, target, args: tuple, *, before: torch.fx.Node, meta_from: torch.fx.Node) -> torch.fx.Node:
     """A new `target(*args)` node before `before`, with its fake value (computed from its arguments'
-    under their fake mode: the op's own error if it rejects them) and `meta_from`'s `KEPT_META`."""
+    under their fake mode: the op's own error if it rejects them), `meta_from`'s `KEPT_META`, and the
+    `original_aten` the user's code would have given it (`original_aten_of`)."""
     values = _meta_values(args)
     fake_mode = detect_fake_mode([v for v in _flatten(values) if isinstance(v, torch.Tensor)])
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
@@ -275,8 +276,27 @@ def emit_node(graph: torch.fx.Graph, target, args: tuple, *, before: torch.fx.No
     with graph.inserting_before(before):
         node = graph.call_function(target, args)
     node.meta.update({k: meta_from.meta[k] for k in KEPT_META if k in meta_from.meta})
+    original = original_aten_of(target)
+    if original is not None:
+        node.meta["original_aten"] = original
     node.meta["val"] = value
     return node
+
+
+def original_aten_of(target) -> torch._ops.OpOverload | None:
+    """The aten op AOT autograd records as `original_aten` for user code that computes `target`: an aten op
+    itself, `aten._to_copy` for a dtype conversion (`.to(dtype)`, `.float()`), None for any other op.
+
+    Inductor names a fused kernel after the `original_aten` ops of its nodes, and keys its autotuning cache
+    by the kernel's source, name included: a node a rewrite makes without it changes the kernel's name,
+    so code the rewrite gave back to Inductor unchanged (tier (b)'s add and norm) would be tuned afresh,
+    possibly into another launch configuration than Inductor's own graph gets, and would show in profiles
+    under another name."""
+    if target is CAST:
+        return torch.ops.aten._to_copy.default
+    if isinstance(target, torch._ops.OpOverload) and target.namespace == "aten":
+        return target
+    return None
 
 
 class _Rewriter:
@@ -534,6 +554,7 @@ class _Rewriter:
         with self.graph.inserting_after(add_eps):
             node = self.graph.call_function(RSQRT, (add_eps,))
         node.meta.update(like.meta)
+        node.meta["original_aten"] = original_aten_of(RSQRT)
         self.changes += 1
         return node
 
