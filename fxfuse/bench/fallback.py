@@ -302,7 +302,8 @@ def _fallback_parts_us(hidden: int, device, group_name: str, calls: int) -> dict
     """Host cost (median us) of what one fallback call does at 1 token, piece by piece, called eagerly:
     the all-reduce + wait it issues, its add-RMSNorm kernel launch, the whole op through the dispatcher
     (its C++ kernel where that is installed), and the op's Python kernel (`..._planned`, what runs
-    without the C++ one)."""
+    without the C++ one); and tier (b)'s all-reduce-only op as Inductor's code calls it (`all_reduce_`, in
+    place), the call that takes the place of Inductor's `allreduce_wait`."""
     from fxfuse.op.kernels.add_rmsnorm_kernel import add_rmsnorm_into
     from fxfuse.op.schema import allreduce_residual_rmsnorm_donate_x
 
@@ -318,6 +319,7 @@ def _fallback_parts_us(hidden: int, device, group_name: str, calls: int) -> dict
         "norm_op": lambda: norm_op(buffer, residual, weight, EPS, out_a, out_b),
         "op_eager": lambda: allreduce_residual_rmsnorm_donate_x(buffer, residual, weight, EPS, group_name),
         "op_python_kernel": lambda: python_kernel(buffer, residual, weight, EPS, group_name, True),
+        "all_reduce_op": lambda: torch.ops.fxfuse.all_reduce_.default(buffer, group_name),
     }, calls)
     return {name: median for name, (median, _, _) in timings.items()}
 
