@@ -178,9 +178,9 @@ class NcclPlan(CallPlan):
 @dataclass
 class TrtllmPlan(CallPlan):
     """FlashInfer's TensorRT-LLM kernel: all-reduce, residual add and RMSNorm in one launch (the FP8
-    variant then quantizes its norm output in one more kernel: FlashInfer's own FP8 pattern multiplies
-    the norm by an approximate reciprocal of the scale, which rounds some values to another code than
-    the division the unfused code does)."""
+    variant then quantizes its norm output in one more kernel: FlashInfer's own FP8 patterns, static and
+    (0.7.x) dynamic per token, multiply the norm by an approximate reciprocal of the scale, which rounds
+    some values to another code than the unfused code's division or reciprocal; docs/FP8.md)."""
 
     workspace: FusionWorkspace | None = None
 
