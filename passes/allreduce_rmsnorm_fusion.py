@@ -48,7 +48,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxfuse.op.decide.capability import fused_kernel_unavailable
 from fxfuse.op.schema import FUSED_OPS, NORM_OPS, allreduce_residual_rmsnorm, allreduce_residual_rmsnorm_tensor_eps
-from fxfuse.passes.canonical_form import canonicalize, val
+from fxfuse.passes.canonical_form import canonicalize, remember_chain_origins, val
 from fxfuse.passes.collective_placement import OriginalPlaces, late_input_refusal
 from fxfuse.passes.config import ALLREDUCE_RESIDUAL_RMSNORM, ALLREDUCE_RMSNORM, PassConfig
 from fxfuse.passes.norm_weight import take_weight_apart
@@ -231,8 +231,11 @@ def fusible_site(match: Match, with_residual: bool, kernel_group: str | None = N
     inputs = {role: match.kwargs.get(name) for role, name in INPUT_ROLES.items()}
     normed, hidden = (val(node) for node in match.output_nodes())
     dtypes = (normed.dtype if normed is not None else None, hidden.dtype if hidden is not None else None)
-    return site_blocker(all_reduce, match.nodes, inputs, _matched_eps(match), with_residual, spelling, dtypes,
-                        kernel_group) is None
+    if site_blocker(all_reduce, match.nodes, inputs, _matched_eps(match), with_residual, spelling, dtypes,
+                    kernel_group) is not None:
+        return False
+    remember_chain_origins(all_reduce.args[0], match.nodes)  # for a site that tier (b) gives back to Inductor
+    return True
 
 
 def fused_call(x, residual, weight, eps, group_name: str, weight_in_fp32: bool = False):

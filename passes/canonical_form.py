@@ -79,6 +79,8 @@ RESHAPES = frozenset(
 
 #: Node meta carried over to the nodes a rewrite makes (where the report finds a site's module).
 KEPT_META = ("nn_module_stack", "stack_trace", "source_fn_stack")
+#: Node meta key, on a fused site's all-reduce input: the `original_aten` of the nodes the fusion replaced.
+CHAIN_ORIGINS = "fxfuse_chain_original_aten"
 
 
 def val(arg) -> torch.Tensor | None:
@@ -265,10 +267,12 @@ def _casts_preferring(value: torch.fx.Node, dtype: torch.dtype | None) -> list[t
 # ---------------------------------------------------------------- rewriting
 
 
-def emit_node(graph: torch.fx.Graph, target, args: tuple, *, before: torch.fx.Node, meta_from: torch.fx.Node) -> torch.fx.Node:
+def emit_node(graph: torch.fx.Graph, target, args: tuple, *, before: torch.fx.Node, meta_from: torch.fx.Node,
+              origins: dict | None = None) -> torch.fx.Node:
     """A new `target(*args)` node before `before`, with its fake value (computed from its arguments'
-    under their fake mode: the op's own error if it rejects them), `meta_from`'s `KEPT_META`, and the
-    `original_aten` the user's code would have given it (`original_aten_of`)."""
+    under their fake mode: the op's own error if it rejects them), `meta_from`'s `KEPT_META`, and an
+    `original_aten`: the next one `origins` (from `chain_origins`) holds for `target`, taken from it, where
+    the node stands in for one of a replaced chain's, else what user code would give it (`original_aten_of`)."""
     values = _meta_values(args)
     fake_mode = detect_fake_mode([v for v in _flatten(values) if isinstance(v, torch.Tensor)])
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
@@ -276,11 +280,28 @@ def emit_node(graph: torch.fx.Graph, target, args: tuple, *, before: torch.fx.No
     with graph.inserting_before(before):
         node = graph.call_function(target, args)
     node.meta.update({k: meta_from.meta[k] for k in KEPT_META if k in meta_from.meta})
-    original = original_aten_of(target)
+    kept = (origins or {}).get(target)
+    original = kept.pop(0) if kept else original_aten_of(target)
     if original is not None:
         node.meta["original_aten"] = original
     node.meta["val"] = value
     return node
+
+
+def remember_chain_origins(anchor: torch.fx.Node, chain: Iterable[torch.fx.Node]) -> None:
+    """Keep on `anchor` (a node the replacement of `chain` leaves in the graph) the `original_aten` of each
+    node of `chain`, by target in graph order, so that a rewrite that later gives the chain back
+    (`site_tiers.demote`) can give its nodes the meta Inductor's own graph has (`chain_origins`)."""
+    order = {node: index for index, node in enumerate(anchor.graph.nodes)}
+    origins: dict = {}
+    for node in sorted(chain, key=order.__getitem__):
+        origins.setdefault(node.target, []).append(node.meta.get("original_aten"))
+    anchor.meta[CHAIN_ORIGINS] = origins
+
+
+def chain_origins(anchor: torch.fx.Node) -> dict:
+    """A copy of what `remember_chain_origins` kept on `anchor` ({} if nothing), for `emit_node` to take from."""
+    return {target: list(originals) for target, originals in anchor.meta.get(CHAIN_ORIGINS, {}).items()}
 
 
 def original_aten_of(target) -> torch._ops.OpOverload | None:

@@ -15,7 +15,9 @@ Without the `fast_allreduce` pattern there is no tier (b): such sites stay fused
 
 A site moved to tier (b) gets the add and norm back as `fxfuse.op.reference.add_rmsnorm` computes them
 (the arithmetic the fused op reproduces, which is the canonical form of the graph's own,
-`canonical_form`), so its values are those of the unfused code. Why a site is not in tier (a) is kept on
+`canonical_form`), so its values are those of the unfused code, and with the `original_aten` of the nodes
+the fusion replaced (kept by `allreduce_rmsnorm_fusion.fusible_site`), so that Inductor generates, names
+and tunes the same kernels as for its own graph. Why a site is not in tier (a) is kept on
 its tier-(b) node (`meta[TIER_REASON]`) for the records and `fxfuse report`. The new op is issued where
 the all-reduce (or the fused op, which took the all-reduce's place) was: no collective moves.
 """
@@ -31,7 +33,7 @@ import torch.fx
 from fxfuse.op.all_reduce_schema import all_reduce
 from fxfuse.op.schema import NORM_OPS
 from fxfuse.passes.allreduce_rmsnorm_fusion import kernel_refusal
-from fxfuse.passes.canonical_form import ADD, CAST, MEAN, MUL, POW, RSQRT, emit_node, is_call, val
+from fxfuse.passes.canonical_form import ADD, CAST, MEAN, MUL, POW, RSQRT, chain_origins, emit_node, is_call, val
 from fxfuse.passes.config import FAST_ALLREDUCE, FP8_EPILOGUE, PassConfig
 from fxfuse.passes.epilogues import describe, fusing_reader
 from fxfuse.passes.fp8_epilogue import FP8_REASON, fold, output, quantization_nodes, quantization_of
@@ -89,8 +91,10 @@ def demote(graph: torch.fx.Graph, fused: torch.fx.Node, reason: str) -> torch.fx
     weight_offset, weight_in_fp32 = (fused.args[i] if len(fused.args) > i else fused.kwargs.get(name, default)
                                      for i, name, default in ((5, "weight_offset", 0.0), (6, "weight_in_fp32", False)))
 
+    origins = chain_origins(x)
+
     def emit(target, *args):
-        return emit_node(graph, target, args, before=fused, meta_from=fused)
+        return emit_node(graph, target, args, before=fused, meta_from=fused, origins=origins)
 
     reduced = emit(all_reduce, x, group_name)
     reduced.meta[TIER_REASON] = reason

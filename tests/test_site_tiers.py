@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 import torch.distributed._functional_collectives as funcol
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from toy_graphs import GraphCapture, compile_and_run, fake_process_group, rmsnorm_transformers, rmsnorm_weight_in_fp32
 
 from fxfuse.backend import FxfuseBackend
@@ -240,6 +241,56 @@ def test_inductor_reduces_a_tier_b_gemm_output_in_place_without_a_copy(dynamic, 
     assert re.findall(r"^\s+(cpp_fused\w*)\(", call, re.M) == ["cpp_fused__to_copy_add_clamp_mean_mul_pow_rsqrt_0"], call
     assert _without_graph_id(kernels) == _without_graph_id(inductor_codes[-1].split("def call(")[0])
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+class _NodeOrigins(CustomGraphPass):
+    """A post-grad pass that keeps (target, original_aten) of each call the graph makes, the collectives aside."""
+
+    COLLECTIVES = ("_c10d_functional", "fxfuse.all_reduce", "auto_functionalized", "getitem")
+
+    def __init__(self) -> None:
+        self.seen: list[list[tuple[str, str]]] = []
+
+    def __call__(self, graph: torch.fx.Graph, *args, **kwargs) -> None:
+        self.seen.append(sorted((str(n.target), str(n.meta.get("original_aten"))) for n in graph.nodes
+                                if n.op == "call_function" and not any(c in str(n.target) for c in self.COLLECTIVES)))
+
+    def uuid(self) -> str:
+        return "test-node-origins"
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_tier_b_site_gives_inductor_the_nodes_of_its_own_graph(dynamic, monkeypatch):
+    """Inductor names a kernel after its nodes' `original_aten` and keys its autotuning by the kernel's source,
+    name included: tier (b)'s add and norm carry those of Inductor's own graph, node for node, so Inductor
+    generates, names and tunes the same kernels (on the H200, without them, the two variants' kernels of the
+    bench's UE8M0 block were tuned apart and ran 0.69x to 1.35x apart under dynamic shapes). That block has a
+    second reduction after the norm (a kernel of its own on GPUs), and under dynamic shapes Inductor's own
+    passes leave its eps add without `original_aten`."""
+    from torch._inductor import config as inductor_config
+    import fxfuse.post_grad as post_grad
+    from fxfuse.bench.fallback_blocks import BLOCKS, block_inputs
+
+    inputs = block_inputs("group_ue8m0", 8, 256, torch.device("cpu"))
+    inductor_origins, fxfuse_origins = _NodeOrigins(), _NodeOrigins()
+    donate = post_grad.donate_allreduce_input.run
+
+    def donate_then_record(graph):
+        donate(graph)
+        fxfuse_origins(graph)
+
+    monkeypatch.setattr(post_grad.donate_allreduce_input, "run", donate_then_record)
+    with fake_process_group() as group, torch.no_grad(), inductor_config.patch(force_disable_caches=True):  # passes run
+        torch._dynamo.reset()
+        backend = FxfuseBackend(patterns=[p for p in PATTERNS if p != "fp8_epilogue"], fuse_without_fast_kernel=True)
+        torch.compile(BLOCKS["group_ue8m0"], backend=backend, fullgraph=True, dynamic=dynamic)(*inputs, group.group_name)
+        torch._dynamo.reset()
+        with inductor_config.patch(post_grad_custom_post_pass=inductor_origins):
+            torch.compile(BLOCKS["group_ue8m0"], backend="inductor", fullgraph=True, dynamic=dynamic)(*inputs, group.group_name)
+    (record,) = backend.records
+    assert record.stats.fast_all_reduces == 1 and not record.stats.fused
+    assert fxfuse_origins.seen == inductor_origins.seen
+    assert ("aten.rsqrt.default", "aten.rsqrt.default") in fxfuse_origins.seen[0]
 
 
 def test_other_reductions_stay_inductors():
