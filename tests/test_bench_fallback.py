@@ -263,17 +263,21 @@ def test_failures_name_each_failed_point():
 
 def test_overview_gives_each_modes_ratio_range_and_inductors_dynamic_slowdown():
     group, row_kind = overview_rows(fake_report())
-    assert group == {"quant": "group", "hidden": 7168, "failed": 1, "static": (0.9, 1.25),
+    assert group == {"quant": "group", "hidden": 7168, "failed": 1, "slower": 1, "faster": 3, "static": (0.9, 1.25),
                      "dynamic": (pytest.approx(40 / 60), pytest.approx(9 / 11)),
                      "inductor_dynamic_over_static": pytest.approx((1.1 * 2.5) ** 0.5)}
     assert row_kind["dynamic"] is None and row_kind["inductor_dynamic_over_static"] is None and row_kind["failed"] == 1
+    assert (row_kind["slower"], row_kind["faster"]) == (0, 1)
+    overlapping = fake_report()
+    overlapping["rows"][0].update(fused_p75=10.5)  # 9.0 median, but its spread reaches Inductor's 10.0
+    assert (overview_rows(overlapping)[0]["slower"], overview_rows(overlapping)[0]["faster"]) == (1, 2)
 
 
 def test_markdown_has_a_table_per_quantization_and_mode():
     text = markdown(fake_report())
     assert "- check, both variants at every point, against float32" in text and "4 of 6 points passed" in text
     assert "- 1 point(s) skipped, the time budget of 400 s spent: hidden 7168 row static at 4096 tokens" in text
-    assert "| group | 7168 | 0.900-1.250 | 0.667-0.818 | 1.66 | 1 |" in text
+    assert "| group | 7168 | 0.900-1.250 | 0.667-0.818 | 1 / 3 | 1.66 | 1 |" in text
     sections = [line for line in text.splitlines() if line.startswith("## ")]
     assert sections == [
         "## FP8 per token group of 128, dynamic scales: static shapes (dynamic=False, one compile per token count)",

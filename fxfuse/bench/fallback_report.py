@@ -76,13 +76,17 @@ def _timed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def overview_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per (quant, hidden): the range of fxfuse/Inductor under each mode, Inductor's own dynamic/static
-    time (geometric mean over the token counts measured both ways), and the points that failed."""
+    """Per (quant, hidden): the range of fxfuse/Inductor under each mode, the points where fxfuse is slower
+    (`slower`: its p25 above Inductor's p75) or faster (`faster`: its p75 below Inductor's p25) beyond the
+    samples' spread, Inductor's own dynamic/static time (geometric mean over the token counts measured both
+    ways), and the points that failed."""
     out = []
     for quant in FALLBACK_QUANT:
         for hidden in dict.fromkeys(r["hidden"] for r in report["rows"] if r["quant"] == quant):
             rows = [r for r in report["rows"] if r["quant"] == quant and r["hidden"] == hidden]
-            entry: dict[str, Any] = {"quant": quant, "hidden": hidden, "failed": sum(not r["ok"] for r in rows)}
+            entry: dict[str, Any] = {"quant": quant, "hidden": hidden, "failed": sum(not r["ok"] for r in rows),
+                                     "slower": sum(r["fused_p25"] > r["inductor_p75"] for r in _timed(rows)),
+                                     "faster": sum(r["fused_p75"] < r["inductor_p25"] for r in _timed(rows))}
             for dynamic in (False, True):
                 ratios = [r["ratio"] for r in _timed(rows) if r["dynamic"] is dynamic]
                 entry[mode_name(dynamic)] = (min(ratios), max(ratios)) if ratios else None
@@ -189,11 +193,12 @@ def markdown(report: dict[str, Any]) -> str:
     if report["skipped"]:
         lines.append(f"- {len(report['skipped'])} point(s) skipped, the time budget of {report['time_budget_s']:g} s "
                      f"spent: {skipped_summary(report['skipped'])}")
-    lines += ["", "| quantization | hidden | fxfuse/Inductor static | fxfuse/Inductor dynamic | Inductor dynamic/static "
-              "(geomean) | failed points |", "|---|---:|---:|---:|---:|---:|"]
+    lines += ["", "| quantization | hidden | fxfuse/Inductor static | fxfuse/Inductor dynamic | points slower / faster "
+              "beyond the quartiles | Inductor dynamic/static (geomean) | failed points |", "|---|---:|---:|---:|---:|---:|---:|"]
     for e in overview_rows(report):
         slowdown = "-" if e["inductor_dynamic_over_static"] is None else f"{e['inductor_dynamic_over_static']:.2f}"
-        lines.append(f"| {e['quant']} | {e['hidden']} | {_range(e['static'])} | {_range(e['dynamic'])} | {slowdown} | {e['failed']} |")
+        lines.append(f"| {e['quant']} | {e['hidden']} | {_range(e['static'])} | {_range(e['dynamic'])} | "
+                     f"{e['slower']} / {e['faster']} | {slowdown} | {e['failed']} |")
     for quant in FALLBACK_QUANT:
         for dynamic in (False, True):
             lines += _table(report, quant, dynamic)
