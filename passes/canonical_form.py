@@ -292,9 +292,8 @@ def remember_chain_origins(anchor: torch.fx.Node, chain: Iterable[torch.fx.Node]
     """Keep on `anchor` (a node the replacement of `chain` leaves in the graph) the `original_aten` of each
     node of `chain`, by target in graph order, so that a rewrite that later gives the chain back
     (`site_tiers.demote`) can give its nodes the meta Inductor's own graph has (`chain_origins`)."""
-    order = {node: index for index, node in enumerate(anchor.graph.nodes)}
     origins: dict = {}
-    for node in sorted(chain, key=order.__getitem__):
+    for node in sorted(chain):  # nodes order as the graph does (as `collective_placement` sorts them)
         origins.setdefault(node.target, []).append(node.meta.get("original_aten"))
     anchor.meta[CHAIN_ORIGINS] = origins
 
