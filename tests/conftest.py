@@ -1,6 +1,9 @@
 """Session set-up shared by every test: on a machine without CUDA, Triton kernels run in Triton's CPU
-interpreter. The variable must be set before the first `triton.jit` runs (Triton decides per kernel
-when it is decorated), so it is set here, before any test module imports a kernel."""
+interpreter (the variable must be set before the first `triton.jit` runs: Triton decides per kernel
+when it is decorated, so it is set here, before any test module imports a kernel), and ranks are forked
+from a server that imported torch's compile stack once (`fxfuse.runner.rank_server`) instead of each
+importing it: the suite launches ranks well over a hundred times. The CLI tests' ranks are still spawned,
+as a user's are."""
 
 import os
 
@@ -8,8 +11,11 @@ import pytest
 import torch
 from native_helpers import build_native_library
 
+from fxfuse.runner.rank_server import start_ranks_from_server
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    start_ranks_from_server()
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,10 @@ period), and a rank whose launcher dies without cleaning up (SIGKILL) exits on i
 ends abnormally after reporting its result (a C++ destructor's std::terminate at exit) is named on
 stderr; the results stand. A rank holds no named semaphore a stop would leak (its progress bars get a
 thread lock), so a stopped run leaves nothing for the resource tracker to warn about.
-Under torchrun (RANK/WORLD_SIZE set) it joins the existing launch instead of spawning.
+Under torchrun (RANK/WORLD_SIZE set) it joins the existing launch instead of spawning. A program that
+launches many times can have its ranks forked from a server that imported torch once instead
+(`fxfuse.runner.rank_server`; the test suite does): the rank then takes over the launcher's environment
+and standard streams before it unpickles its function, and ignores SIGINT itself.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import sys
 import threading
 import time
 import traceback
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
 import torch
@@ -39,6 +43,7 @@ import torch.multiprocessing as mp
 
 from fxfuse.models.parallel import ParallelContext
 from fxfuse.runner.errors import RankFailed
+from fxfuse.runner.rank_server import adopt_launcher_state, end_as_a_spawned_rank, launcher_state, rank_start_method
 from fxfuse.runner.torchrun import under_torchrun
 
 #: NVLink multicast stays off in every process we start (docs/DESIGN.md, rule 6: the machines are shared).
@@ -77,12 +82,16 @@ def init_rank(rank: int, world_size: int, device: str, port: int | None, timeout
     return ParallelContext.from_group(dist.group.WORLD)
 
 
-def _rank_main(rank, world_size, device, port, timeout_s, fn, args, queue):
+def _rank_main(rank, world_size, device, port, timeout_s, call, launcher, queue):
+    # Ctrl-C is the launcher's to handle: a spawned rank inherits this from `_sigint_ignored`, a forked one not.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    adopt_launcher_state(launcher)  # forked from the rank server: the launcher's environment and stdio
     # A rank still running shortly before the launcher gives up prints where it is stuck (to stderr).
     faulthandler.dump_traceback_later(max(1.0, timeout_s - 5), exit=False)
     threading.Thread(target=_exit_when_launcher_dies, name="fxfuse-launcher-watch", daemon=True).start()
     _progress_bars_without_a_semaphore()
     try:
+        fn, args = pickle.loads(call)
         torch.manual_seed(0)
         if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: ranks must not oversubscribe the cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -94,6 +103,7 @@ def _rank_main(rank, world_size, device, port, timeout_s, fn, args, queue):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        end_as_a_spawned_rank(launcher)
 
 
 def run_on_ranks(
@@ -117,11 +127,16 @@ def run_on_ranks(
             return [fn(ctx, *args)]
         finally:
             dist.destroy_process_group()
-    mp_ctx = mp.get_context("spawn")
+    start_method = rank_start_method()
+    mp_ctx = mp.get_context(start_method)
     queue = mp_ctx.SimpleQueue()
     port = free_port()
+    # A forked rank takes the launcher's environment before it unpickles the call (rank_server's rules); one
+    # pickle per rank, as multiprocessing makes: a tensor's shared memory is handed over once per pickle.
     procs = [
-        mp_ctx.Process(target=_rank_main, args=(r, world_size, device, port, timeout_s, fn, args, queue), daemon=True)
+        mp_ctx.Process(target=_rank_main, daemon=True, args=(
+            r, world_size, device, port, timeout_s, bytes(ForkingPickler.dumps((fn, args))),
+            launcher_state(start_method), queue))
         for r in range(world_size)
     ]
     results: dict[int, Any] = {}
