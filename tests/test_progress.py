@@ -69,3 +69,26 @@ def test_watch_layers_counts_layers_while_dynamo_traces_and_changes_nothing():
     compiled(x)  # no new trace, no new lines
     assert len(lines(stream)) == 3
     torch._dynamo.reset()
+
+
+class _Writes(io.StringIO):
+    """A stream that keeps each write call apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.calls.append(text)
+        return super().write(text)
+
+
+def test_each_line_is_one_write():
+    """A line and its newline in one write: on unbuffered stderr a process stopped between two writes left
+    half a line for the launcher's last line to be glued to."""
+    stream = _Writes()
+    progress = Progress(True, "fxfuse run", stream)
+    progress.note("building")
+    with progress.phase("compiling"):
+        pass
+    assert len(stream.calls) == 3 and all(call.endswith("\n") and call.count("\n") == 1 for call in stream.calls)

@@ -31,11 +31,15 @@ class Progress:
         self._lock = threading.Lock()
 
     def note(self, message: str) -> None:
-        """Write one line: `<label> [   12.3s] <message>`."""
+        """Write one line: `<label> [   12.3s] <message>`, in one write (`print` makes two, text then
+        newline: on an unbuffered stream, as stderr is under PYTHONUNBUFFERED, a process stopped between
+        them left the launcher's last line glued to a rank's unfinished one)."""
         if self.enabled:
             elapsed = time.monotonic() - self.start
+            stream = self.stream or sys.stderr
             with self._lock:
-                print(f"{self.label} [{elapsed:7.1f}s] {message}", file=self.stream or sys.stderr, flush=True)
+                stream.write(f"{self.label} [{elapsed:7.1f}s] {message}\n")
+                stream.flush()
 
     def count(self, message: str, done: int, total: int) -> None:
         """Note `message done/total`: the first and last call always, others at most once per
