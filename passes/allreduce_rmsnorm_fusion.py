@@ -351,10 +351,11 @@ def run(graph: torch.fx.Graph, config: PassConfig) -> int:
     fused = sum(fusion_patterns(group, patterns, config.fuse_without_fast_kernel).apply(graph)
                 for group in sum_allreduce_groups(graph))
     if fused:
-        for op in NORM_OPS:  # what the patterns emit
-            for node in list(graph.find_nodes(op="call_function", target=op)):
-                places.restore(graph, node, [node.args[0]], node.args[4])
-                take_weight_apart(node)
+        emitted = [node for op in NORM_OPS for node in graph.find_nodes(op="call_function", target=op)]
+        for node in emitted:  # every fused op in its place before take_weight_apart erases any node
+            places.restore(graph, node, [node.args[0]], node.args[4])
+        for node in emitted:
+            take_weight_apart(node)
         stable_topological_sort(graph)
         _erase_unused_outputs(graph)
     return fused

@@ -96,16 +96,20 @@ class OriginalPlaces:
         self.position = {node: index for index, node in enumerate(self.order)}
         self.all_reduces: dict[tuple, list[torch.fx.Node]] = defaultdict(list)
         self._alive: set[torch.fx.Node] | None = None  # the nodes left after the rewrite, once asked
+        self._placed: list[tuple[int, torch.fx.Node]] = []  # (original position, node) of what restore put
         for node in self.order:
             if node.op == "call_function" and node.target is ALL_REDUCE and node.args[1] == "sum":
                 self.all_reduces[(node.args[0], node.args[2])].append(node)
 
     def restore(self, graph: torch.fx.Graph, collective: torch.fx.Node, reduced: Iterable, group_name: str) -> None:
         """Issue `collective`, which replaces the all-reduces over `group_name` of the `reduced` values
-        (now erased from `graph`), where the last of them was (right after the node that preceded it);
-        the nodes it needs that come later move up with it, in their order. No-op for a collective that
-        was in the graph before, or if no such all-reduce was erased. Call it only after the rewrite has
-        erased what it replaces."""
+        (now erased from `graph`), where the last of them was: after every node that came before it and
+        is still in the graph, wherever an earlier `restore` has put it (a collective restored in the
+        place of an earlier all-reduce, a node moved up with it); the nodes it needs that come later move
+        up with it, in their order. Two sites with nothing left between them thus keep their order,
+        whichever is restored first. No-op for a collective that was in the graph before, or if no such
+        all-reduce was erased. Call it for every new collective after the rewrite has erased what they
+        replace and before anything else is erased."""
         if collective in self.position:
             return
         if self._alive is None:
@@ -116,9 +120,12 @@ class OriginalPlaces:
         if not originals:
             return
         last = max(self.position[node] for node in originals)
-        before = next(node for node in reversed(self.order[:last]) if node in alive)
+        nearest = next(node for node in reversed(self.order[:last]) if node in alive)
+        before = max([nearest] + [node for place, node in self._placed if place < last])
+        moved = sorted(late_ancestors(collective.all_input_nodes, before))
+        self._placed += [(self.position.get(node, last), node) for node in moved] + [(last, collective)]
         cursor = before
-        for node in sorted(late_ancestors(collective.all_input_nodes, before)) + [collective]:
+        for node in moved + [collective]:
             if cursor.next is not node:
                 cursor.append(node)
             cursor = node

@@ -287,3 +287,38 @@ def test_reshaped_all_reduce_under_inductor_on_two_ranks():
         for got in results:
             for a, b in zip(got, expected, strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- independent sites with nothing left between them
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float16, torch.float32), (torch.float32, torch.float32)], ids=["fp16-fp32", "fp32-fp32"])
+def test_two_independent_sites_keep_their_order(group, dtypes):
+    """Two independent all-reduce -> add -> RMSNorm chains, the second's all-reduce right after the first
+    chain: once both chains are replaced, nothing alive stands between the two all-reduces' places. Each
+    fused op is still issued in its all-reduce's turn (found by fuzzing cases compiled together; before
+    the fix the second site's fused op was issued first)."""
+
+    def two_sites(x, r, w, y, s, v):
+        h = ar(x, group) + r
+        g = ar(y, group) + s
+        return rmsnorm(h, w), h, rmsnorm(g, v), g
+
+    first, second = dtypes
+    compiled_like_eager(two_sites, *inputs((4, H), (4, H), (H,), dtype=first), *inputs((2, H), (2, H), (H,), dtype=second),
+                        fused=2)
+
+
+def test_a_site_after_one_whose_float32_weight_is_taken_apart_keeps_its_order(group):
+    """The first site applies `w.float()` (moved up with its fused op, then erased when the op takes the
+    16-bit weight): the second site's fused op still comes after the first's."""
+
+    def two_sites(x, w, y, s, v):
+        h = ar(x, group)
+        c = h.float()
+        first = ((c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-6)) * w.float()).to(h.dtype)
+        g = s + ar(y, group)
+        return first, h, rmsnorm(g, v), g
+
+    gm = compiled_like_eager(two_sites, *inputs((4, H), (H,), (4, H), (4, H), (H,), dtype=torch.float16), fused=2)
+    assert not gm.graph.find_nodes(op="call_function", target=torch.ops.prims.convert_element_type.default)
