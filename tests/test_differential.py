@@ -5,8 +5,11 @@ ranks.
 Each case is compiled with `FxfuseBackend(inner="eager")` and, for a share of the cases, with
 `inner="inductor"`, through `OrderCheckedBackend` (no collective moved later or reordered); its outputs
 and its inputs after the call (programs mutate some) must equal eager's: float32 within 1e-5, float16
-and bfloat16 within 4 rounding steps of the dtype, dtypes and shapes exactly. A failing case is shrunk
-(`differential_cases.simpler`) to a smaller one that still fails, and reported with its seed and source.
+and bfloat16 within 4 rounding steps of the dtype, dtypes and shapes exactly. Cases are compiled
+`BATCH` at a time as one program (outputs still checked case by case): fewer compiles, and the passes
+see several sites side by side. A failing batch is checked case by case: a failing case is shrunk
+(`differential_cases.simpler`) to a smaller one that still fails, and reported with its seed and source;
+cases that pass alone but fail together are cut down to the fewest that still do, and reported.
 The quick loop runs `QUICK_CASES` seeds, `slow` `SLOW_CASES` more; when both tests are selected, both
 sets of seeds run in one spawn of the ranks (`outcomes`). Run other seeds with
 `.venv/bin/python tests/test_differential.py FIRST COUNT [INDUCTOR_SHARE]`.
@@ -40,6 +43,9 @@ SEED_SETS = {
 TOLERANCE = {"float32": 1e-5, "float16": 4 * 2.0**-10, "bfloat16": 4 * 2.0**-7}
 #: Shrinking compiles at most this many smaller cases.
 SHRINK_TRIES = 25
+#: Cases compiled together as one program (`together`): besides a compile saved, the passes see sites
+#: of several programs side by side (two such mistakes were found this way).
+BATCH = 8
 
 
 def program_of(case: Case):
@@ -48,6 +54,20 @@ def program_of(case: Case):
     namespace = {"torch": torch, "funcol": funcol, "dist": dist, "F": F}
     exec(compile(source, f"<case {case.seed}>", "exec"), namespace)  # noqa: S102 - our own generated source
     return namespace["program"], inputs
+
+
+def together(programs: list, sizes: list[int]):
+    """One program running `programs` in turn, each on its `sizes` inputs (taken in order from one
+    argument list), returning all their outputs in order."""
+
+    def program(*inputs, g, g2):
+        outputs, start = [], 0
+        for run, size in zip(programs, sizes):
+            outputs.extend(run(*inputs[start:start + size], g=g, g2=g2))
+            start += size
+        return tuple(outputs)
+
+    return program
 
 
 def _call(fn, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -74,33 +94,52 @@ def _mismatch(got: list[torch.Tensor], want: list[torch.Tensor], precision: str)
     return None
 
 
-def case_failure(case: Case, groups, rank: int, fused: Counter | None = None) -> str | None:
-    """Why `case` compiles to something other than eager on this rank (None: it does not, or eager itself
-    raises, which `fused["invalid"]` counts). Runs the same collectives on every rank."""
+def eager_runs(case: Case, groups, rank: int) -> bool:
+    """Whether eager runs `case`'s program (the generator also draws shapes that do not broadcast, ...);
+    runs the same collectives on every rank."""
     program, described = program_of(case)
-    fn = functools.partial(program, g=groups[0], g2=groups[1])
-    inputs = make_inputs(described, case.seed, rank)
-    fused = fused if fused is not None else Counter()
     try:
-        expected = _call(fn, inputs)
-    except Exception:  # noqa: BLE001 - an invalid drawn program (shapes that do not broadcast, ...)
-        fused["invalid"] += 1
-        return None
-    for inner in case.inners:
+        _call(functools.partial(program, g=groups[0], g2=groups[1]), make_inputs(described, case.seed, rank))
+    except Exception:  # noqa: BLE001 - an invalid drawn program
+        return False
+    return True
+
+
+def cases_failure(cases: list[Case], groups, rank: int, fused: Counter | None = None) -> str | None:
+    """Why `cases` (programs eager runs, of one dynamic setting and one list of inner compilers), compiled
+    as one program (`together`), give something other than eager on this rank, or None. Runs the same
+    collectives on every rank."""
+    programs, described = zip(*(program_of(case) for case in cases))
+    inputs = [make_inputs(items, case.seed, rank) for items, case in zip(described, cases)]
+    expected = [_call(functools.partial(program, g=groups[0], g2=groups[1]), case_inputs)
+                for program, case_inputs in zip(programs, inputs)]
+    output_counts = [len(want) - len(case_inputs) for want, case_inputs in zip(expected, inputs)]
+    fn = functools.partial(together(list(programs), [len(case_inputs) for case_inputs in inputs]), g=groups[0], g2=groups[1])
+    fused = fused if fused is not None else Counter()
+    for inner in cases[0].inners:
         backend = OrderCheckedBackend(inner=inner)
         torch._dynamo.reset()
         try:
-            got = _call(torch.compile(fn, backend=backend, fullgraph=True, dynamic=case.dynamic), inputs)
+            got = _call(torch.compile(fn, backend=backend, fullgraph=True, dynamic=cases[0].dynamic),
+                        [t for case_inputs in inputs for t in case_inputs])
         except Exception as error:  # noqa: BLE001 - every compile error is a finding
             return f"{inner} inner: {type(error).__name__}: {str(error)[:3000]}"
-        mismatch = _mismatch(got, expected, case.dtype)  # inputs are float32 or the case's dtype
-        if mismatch is not None:
-            return f"{inner} inner: {mismatch[:3000]}"
-        fused[f"compiled_{inner}"] += 1
+        outputs, copies = got[:sum(output_counts)], got[sum(output_counts):]
+        for case, want, count, case_inputs in zip(cases, expected, output_counts, inputs):
+            mismatch = _mismatch(outputs[:count] + copies[:len(case_inputs)], want, case.dtype)
+            if mismatch is not None:
+                return f"{inner} inner, case {case.seed}: {mismatch[:3000]}"
+            outputs, copies = outputs[count:], copies[len(case_inputs):]
+        fused[f"compiled_{inner}"] += len(cases)
         for record in backend.records:
             fused["fused"] += record.stats.fused
             fused["merged"] += record.stats.merged
     return None
+
+
+def case_failure(case: Case, groups, rank: int) -> str | None:
+    """`cases_failure` of `case` alone (None also when eager cannot run it)."""
+    return cases_failure([case], groups, rank) if eager_runs(case, groups, rank) else None
 
 
 def _agreed(flag: bool, group) -> bool:
@@ -135,19 +174,62 @@ def report(seed: int, case: Case, message: str | None, rank: int) -> str:
             f"inputs: {shapes}\n{source}")
 
 
+def _fewest_failing_together(cases: list[Case], groups, rank: int, message: str | None) -> tuple[list[Case], str | None]:
+    """The fewest of `cases` found, greedily (one dropped at a time), that still fail compiled together on
+    some rank (this rank's reason, if they fail here); each passes alone."""
+    improved = True
+    while improved and len(cases) > 2:
+        improved = False
+        for index in range(len(cases)):
+            fewer = cases[:index] + cases[index + 1:]
+            failure = cases_failure(fewer, groups, rank)
+            if _agreed(failure is not None, groups[0]):
+                cases, message, improved = fewer, failure, True
+                break
+    return cases, message
+
+
+def batches(cases: list[Case]) -> list[list[Case]]:
+    """`cases` in batches of at most `BATCH` compiled together, each of one dynamic setting and one list
+    of inner compilers, in seed order within each."""
+    kinds: dict[tuple, list[Case]] = {}
+    for case in cases:
+        kinds.setdefault((case.dynamic, case.inners), []).append(case)
+    return [kind[start:start + BATCH] for kind in kinds.values() for start in range(0, len(kind), BATCH)]
+
+
 def check_cases_on_rank(ctx, seeds: list[int], inductor_share: float) -> tuple[dict[int, tuple[bool, str]], Counter]:
-    """Run every seed's case on this rank: ({seed: (failed here, report)} of the failing cases, counts of
-    what was compiled)."""
+    """Run every seed's case on this rank, `BATCH` at a time compiled together: ({first seed: (failed
+    here, report)} of the failing cases and combinations, counts of what was compiled). A failing batch
+    is checked case by case (a failing case is shrunk); if every case passes alone, the batch is cut
+    down to the fewest cases that still fail together."""
     groups = (ctx.group, dist.new_group(list(range(ctx.world_size))))
     counts: Counter = Counter()
     failures = {}
+    valid = []
     for seed in seeds:
         case = random_case(seed, inductor_share)
         counts["cases"] += 1
-        failure = case_failure(case, groups, ctx.rank, counts)
-        if _agreed(failure is not None, groups[0]):
-            minimal, message = _shrunk(case, groups, ctx.rank, failure)
-            failures[seed] = (message is not None, report(seed, minimal, message, ctx.rank))
+        if eager_runs(case, groups, ctx.rank):
+            valid.append(case)
+        else:
+            counts["invalid"] += 1
+    for batch in batches(valid):
+        failure = cases_failure(batch, groups, ctx.rank, counts)
+        if not _agreed(failure is not None, groups[0]):
+            continue
+        alone_failing = False
+        for case in batch:
+            failure_alone = case_failure(case, groups, ctx.rank)
+            if _agreed(failure_alone is not None, groups[0]):
+                alone_failing = True
+                minimal, message = _shrunk(case, groups, ctx.rank, failure_alone)
+                failures[case.seed] = (message is not None, report(case.seed, minimal, message, ctx.rank))
+        if not alone_failing:
+            fewest, message = _fewest_failing_together(batch, groups, ctx.rank, failure)
+            seeds_text = ", ".join(str(case.seed) for case in fewest)
+            failures[fewest[0].seed] = (message is not None, f"seeds {seeds_text} pass alone and fail compiled together:\n"
+                                        + "\n\n".join(report(case.seed, case, message, ctx.rank) for case in fewest))
     return failures, counts
 
 
@@ -204,6 +286,30 @@ def test_differential_slow(outcomes):
     counts = _assert_all_pass(outcomes, "test_differential_slow")
     assert counts["fused"] > SLOW_CASES // 3 and counts["compiled_inductor"] > SLOW_CASES // 20, counts
 
+
+
+def test_batches_hold_one_dynamic_setting_and_one_list_of_inner_compilers():
+    cases = [random_case(seed, 0.07) for seed in range(60)]
+    found = batches(cases)
+    assert sorted(case.seed for batch in found for case in batch) == list(range(60))
+    assert all(len(batch) <= BATCH and len({(case.dynamic, case.inners) for case in batch}) == 1 for batch in found)
+    assert len({(batch[0].dynamic, batch[0].inners) for batch in found}) > 2  # the draws give several kinds
+
+
+def test_together_runs_each_program_on_its_own_inputs_in_turn():
+    seen = []
+
+    def first(a, *, g, g2):
+        seen.append(("first", g, g2))
+        return (a + 1,)
+
+    def second(a, b, *, g, g2):
+        seen.append(("second", g, g2))
+        return a * b, b - a
+
+    outputs = together([first, second], [1, 2])(torch.tensor(1.0), torch.tensor(2.0), torch.tensor(3.0), g="g", g2="g2")
+    assert [float(t) for t in outputs] == [2.0, 6.0, 1.0]
+    assert seen == [("first", "g", "g2"), ("second", "g", "g2")]
 
 if __name__ == "__main__":
     first, count = int(sys.argv[1]), int(sys.argv[2])
