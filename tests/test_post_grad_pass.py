@@ -207,12 +207,14 @@ def test_lazy_export():
 # ---------------------------------------------------------------- Inductor compiles
 
 
-def _tiny_model_both_ways(ctx):
+def _tiny_model_both_ways(ctx, cache_dir: str):
     """One rank: a 4-token step of the 2-layer tiny model (fp32) compiled with `backend="inductor"` + the
-    pass and with `FxfuseBackend()`, each on a fresh Inductor cache (so each runs its passes), and eager."""
+    pass and with `FxfuseBackend()`, and eager. Inductor's graph caches are off, so each compile runs its
+    passes; its kernel cache is `cache_dir`, fresh and shared by the two compiles and the two ranks (each
+    kernel is built once: the compiles differ in no kernel)."""
     from test_model_compile import build_model, decode_schedule
-    from torch._inductor.utils import fresh_inductor_cache
 
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # this rank's own process
     torch._inductor.config.compile_threads = 1  # no compile worker pool per rank on a small CPU
     model = build_model(ctx)
     prefill, steps = decode_schedule(model.config.vocab_size)
@@ -230,17 +232,18 @@ def _tiny_model_both_ways(ctx):
             torch._dynamo.reset()
             model.reset_cache()
             model(*prefill)
-            with fresh_inductor_cache(), torch._inductor.config.patch(patch):
+            with torch._inductor.config.patch({**patch, "fx_graph_cache": False}), \
+                    torch._functorch.config.patch(enable_autograd_cache=False):
                 results[name] = torch.compile(model, fullgraph=True, dynamic=False, **compile_kwargs)(*steps[1])
             results[f"{name}_records"] = [(r.stats, dict(r.after.op_counts), r.from_cache) for r in records]
     return results
 
 
 @pytest.mark.slow
-def test_tiny_model_fuses_the_same_with_the_pass_as_with_the_backend():
+def test_tiny_model_fuses_the_same_with_the_pass_as_with_the_backend(tmp_path):
     from fxfuse.runner.launch import run_on_ranks
 
-    for rank in run_on_ranks(_tiny_model_both_ways, 2, timeout_s=1200):
+    for rank in run_on_ranks(_tiny_model_both_ways, 2, str(tmp_path / "inductor"), timeout_s=1200):
         (stats, after, from_cache), = rank["post_grad_records"]
         assert rank["backend_records"] == rank["post_grad_records"]
         sites = 1 + 2 * 2  # the embedding, then attention + MLP/MoE per layer
