@@ -67,14 +67,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rendezvous_store(timeout_s: float) -> dist.TCPStore:
-    """The ranks' rendezvous store, served by the launcher on a port the OS assigns as the store binds
-    it: no other process can take the port between choosing it and listening on it (as it could with a
-    port chosen by `free_port`, then bound by rank 0), so concurrent launches on one machine never meet."""
-    return dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
-
-
 def init_rank(rank: int, world_size: int, device: str, port: int | None, timeout_s: float) -> ParallelContext:
     """Initialize this process's group (gloo for cpu, nccl for cuda) and return its context."""
     for key, value in SAFE_ENV.items():
@@ -82,11 +74,10 @@ def init_rank(rank: int, world_size: int, device: str, port: int | None, timeout
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    timeout = datetime.timedelta(seconds=timeout_s)
-    kwargs: dict[str, Any] = {"timeout": timeout}
-    if port is not None:  # the launcher serves the store (`rendezvous_store`)
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
-        kwargs.update(store=store, rank=rank, world_size=world_size)
+    kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
+    if port is not None:
+        kwargs["init_method"] = f"tcp://127.0.0.1:{port}"
+        kwargs.update(rank=rank, world_size=world_size)
     dist.init_process_group(backend, **kwargs)
     return ParallelContext.from_group(dist.group.WORLD)
 
@@ -139,8 +130,7 @@ def run_on_ranks(
     start_method = rank_start_method()
     mp_ctx = mp.get_context(start_method)
     queue = mp_ctx.SimpleQueue()
-    store = rendezvous_store(timeout_s)  # kept until the ranks are stopped
-    port = store.port
+    port = free_port()
     # A forked rank takes the launcher's environment before it unpickles the call (rank_server's rules); one
     # pickle per rank, as multiprocessing makes: a tensor's shared memory is handed over once per pickle.
     procs = [
