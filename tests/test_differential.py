@@ -18,6 +18,7 @@ sets of seeds run in one spawn of the ranks (`outcomes`). Run other seeds with
 from __future__ import annotations
 
 import functools
+import math
 import sys
 from collections import Counter
 
@@ -149,21 +150,29 @@ def _agreed(flag: bool, group) -> bool:
     return bool(value.item())
 
 
-def _shrunk(case: Case, groups, rank: int, message: str | None) -> tuple[Case, str | None]:
-    """The smallest case found, greedily, that still fails on some rank (this rank's reason, if it fails here)."""
-    tries = 0
-    improved = True
-    while improved and tries < SHRINK_TRIES:
+def _smallest_still_failing(start, message: str | None, smaller, failure_of, group, max_tries: float):
+    """Greedy shrinking: take the first of `smaller(current)` that still fails on some rank (`failure_of`
+    gives this rank's reason or None), again and again until none does or `max_tries` candidates were
+    tried; returns the smallest found and this rank's reason for it (None if it fails on another rank)."""
+    current, tries, improved = start, 0, True
+    while improved and tries < max_tries:
         improved = False
-        for candidate in simpler(case):
-            if tries >= SHRINK_TRIES:
+        for candidate in smaller(current):
+            if tries >= max_tries:
                 break
             tries += 1
-            failure = case_failure(candidate, groups, rank)
-            if _agreed(failure is not None, groups[0]):
-                case, message, improved = candidate, failure, True
+            failure = failure_of(candidate)
+            if _agreed(failure is not None, group):
+                current, message, improved = candidate, failure, True
                 break
-    return case, message
+    return current, message
+
+
+def _shrunk(case: Case, groups, rank: int, message: str | None) -> tuple[Case, str | None]:
+    """The smallest case found (`differential_cases.simpler`, at most `SHRINK_TRIES` compiles) that still
+    fails on some rank (this rank's reason, if it fails here)."""
+    return _smallest_still_failing(case, message, simpler, lambda candidate: case_failure(candidate, groups, rank),
+                                   groups[0], SHRINK_TRIES)
 
 
 def report(seed: int, case: Case, message: str | None, rank: int) -> str:
@@ -175,18 +184,14 @@ def report(seed: int, case: Case, message: str | None, rank: int) -> str:
 
 
 def _fewest_failing_together(cases: list[Case], groups, rank: int, message: str | None) -> tuple[list[Case], str | None]:
-    """The fewest of `cases` found, greedily (one dropped at a time), that still fail compiled together on
+    """The fewest of `cases` found (one dropped at a time, down to two) that still fail compiled together on
     some rank (this rank's reason, if they fail here); each passes alone."""
-    improved = True
-    while improved and len(cases) > 2:
-        improved = False
-        for index in range(len(cases)):
-            fewer = cases[:index] + cases[index + 1:]
-            failure = cases_failure(fewer, groups, rank)
-            if _agreed(failure is not None, groups[0]):
-                cases, message, improved = fewer, failure, True
-                break
-    return cases, message
+
+    def one_fewer(current: list[Case]) -> list[list[Case]]:
+        return [current[:index] + current[index + 1:] for index in range(len(current))] if len(current) > 2 else []
+
+    return _smallest_still_failing(cases, message, one_fewer, lambda fewer: cases_failure(fewer, groups, rank),
+                                   groups[0], math.inf)
 
 
 def batches(cases: list[Case]) -> list[list[Case]]:
@@ -287,7 +292,6 @@ def test_differential_slow(outcomes):
     assert counts["fused"] > SLOW_CASES // 3 and counts["compiled_inductor"] > SLOW_CASES // 20, counts
 
 
-
 def test_batches_hold_one_dynamic_setting_and_one_list_of_inner_compilers():
     cases = [random_case(seed, 0.07) for seed in range(60)]
     found = batches(cases)
@@ -310,6 +314,7 @@ def test_together_runs_each_program_on_its_own_inputs_in_turn():
     outputs = together([first, second], [1, 2])(torch.tensor(1.0), torch.tensor(2.0), torch.tensor(3.0), g="g", g2="g2")
     assert [float(t) for t in outputs] == [2.0, 6.0, 1.0]
     assert seen == [("first", "g", "g2"), ("second", "g", "g2")]
+
 
 if __name__ == "__main__":
     first, count = int(sys.argv[1]), int(sys.argv[2])
