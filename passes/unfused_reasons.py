@@ -172,8 +172,13 @@ def _missing_norm_reason(reduced: torch.fx.Node, adds: list[torch.fx.Node], conf
             return f"it is the residual of the fused site `{user.name}` (the two all-reduces were not merged)"
     for add in adds:
         other = _other_operand(add, reduced)
-        if is_summed_wait(other) and any(find_rmsnorm(a) for a in add.users if is_call(a, ADD)):
+        normed_adds = [a for a in add.users if is_call(a, ADD) and find_rmsnorm(a)]
+        if normed_adds and is_summed_wait(other):
             return _unmerged_reason(reduced, other, add, config)
+        if normed_adds:
+            return (f"it is added (`{add.name}`) to `{other.name}`, which is not all-reduced, before the residual add "
+                    f"`{normed_adds[0].name}` that the RMSNorm reads: the fused op adds the residual to the all-reduced "
+                    f"sum itself (adding `{other.name}` to the residual first would round differently)")
     for value in [reduced] + adds:
         for user in value.users:
             if is_reshape(user) and _normed_soon(user):

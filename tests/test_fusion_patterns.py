@@ -337,6 +337,21 @@ def test_no_norm_follows(group):
     )
 
 
+def test_sum_with_an_unreduced_partial_before_the_residual_is_not_fused(group):
+    """transformers 5.25's DeepseekV3 plan shards the shared experts only: their all-reduced output is added to
+    the replicated routed output, then to the residual, then normed. Fusing would reassociate the sums."""
+
+    def moe_then_norm(shared, routed, res, w):
+        return rmsnorm_transformers(res + (routed + funcol_all_reduce(shared, group)), w, 1e-6)
+
+    rewrite_unchanged(
+        moe_then_norm, torch.randn(4, 16), torch.randn(4, 16), torch.randn(4, 16), torch.randn(16),
+        reason="it is added (`add`) to `arg1_1`, which is not all-reduced, before the residual add `add_1` that the "
+        "RMSNorm reads: the fused op adds the residual to the all-reduced sum itself (adding `arg1_1` to the "
+        "residual first would round differently)",
+    )
+
+
 def test_sum_returned_from_the_graph_norm_may_be_in_the_next(group):
     """One graph per decoder block (torchtitan): the MLP's sum ends the graph, its norm starts the next."""
 

@@ -32,23 +32,21 @@ pytestmark = pytest.mark.slow
 DTYPES = (torch.float32, torch.bfloat16)
 #: float32, compiled vs eager: max |diff| / max |eager logit|. Measured 1.7e-7 to 2.9e-7 (summation order).
 FP32_BOUND = 1e-5
-#: bfloat16, same measure. Measured 0 (bit for bit) where nothing is merged: the fused op applies the weight
-#: after the cast back or in float32 before it, as each model's norm does (Gemma's `1 + w` and F.rms_norm
-#: included). Merging rounds the local sum of routed + shared partial outputs to bfloat16 before reducing
-#: (DeepseekV3: 2.9e-3, DeepSeek-official style: 3.9e-3). Bounds: about twice the measured values.
-BF16_BOUND = {"hf_deepseek_v3_tp_plan": 6e-3, "deepseek_official_style": 8e-3}
+#: bfloat16, same measure, where a model's routed and shared expert outputs are merged into one all-reduce:
+#: merging rounds their local sum to bfloat16 before reducing (DeepseekV3 up to transformers 5.24: 2.9e-3,
+#: DeepSeek-official style: 3.9e-3). Bounds: about twice the measured values. Where nothing is merged the
+#: bound is 0 (measured bit for bit): the fused op applies the weight after the cast back or in float32
+#: before it, as each model's norm does (Gemma's `1 + w` and F.rms_norm included).
+MERGED_BF16_BOUND = {"hf_deepseek_v3_tp_plan": 6e-3, "deepseek_official_style": 8e-3}
 
 #: (all-reduces before the passes, merged pairs, fused with residual, fused without residual, all-reduce-only
 #: ops: tier (b), `fxfuse.passes.site_tiers`).
 EXPECTED_SITES = {
     # embedding (rowwise vocab) + 2 x (attention o_proj, MLP down_proj): every site fused
     "hf_llama_tp_plan": (5, 0, 4, 1, 0),
-    # transformers' DeepseekV3 plan shards only the MLPs (MLA attention stays replicated): embedding, the
-    # dense layer's MLP, the MoE layer's experts + shared experts (merged, then fused into the final norm)
-    "hf_deepseek_v3_tp_plan": (4, 1, 2, 1, 0),
-    # embedding + 2 x (attention, MoE experts viewed back to [batch, seq, hidden] before the residual add); the
-    # experts gather the norm's rows by token index, which reads it from memory as a GEMM does: tier (a)
-    "hf_qwen3_moe_tp_plan": (5, 0, 4, 1, 0),
+    # the MoE models: `_moe_plan_sites`, which depends on the installed transformers' plans
+    "hf_deepseek_v3_tp_plan": None,
+    "hf_qwen3_moe_tp_plan": None,
     # Gemma 3: embedding (left: `LEFT_UNFUSED`) + 2 x (attention o_proj, MLP down_proj), each all-reduce
     # straight into its sandwich norm (post-attention / post-feedforward, Gemma's `1 + w` in float32), whose
     # output the residual add reads: Inductor fuses that norm, the add and the next norm into one kernel, so
@@ -62,12 +60,51 @@ EXPECTED_SITES = {
 }
 
 #: All-reduces left to Inductor (tier c), with the reason `report_compiled` gives: Gemma's scaled embedding
-#: multiplies the vocab-parallel sum by sqrt(hidden) before the first norm.
+#: multiplies the vocab-parallel sum by sqrt(hidden) before the first norm. (DeepseekV3's shared experts under
+#: transformers 5.25's plan: `_moe_plan_sites`.)
 LEFT_UNFUSED = {
     "hf_gemma3_tp_plan": [(None, "embedding", "`mul` scales the all-reduced value before the RMSNorm: the fused op "
                            "norms the sum itself (scaling each rank's part before the all-reduce would round "
                            "differently)")],
 }
+#: transformers 5.25's DeepseekV3 plan: the shared experts' all-reduced output is added to the replicated routed
+#: experts' output before the residual add (node names as the rank's compile spells them, blanked).
+SHARED_EXPERTS_UNFUSED = (
+    r"it is added \(`add(_\d+)?`\) to `\w+`, which is not all-reduced, before the residual add `add(_\d+)?` that the "
+    r"RMSNorm reads: the fused op adds the residual to the all-reduced sum itself \(adding `\w+` to the residual "
+    r"first would round differently\)")
+
+
+def _moe_plan_sites(name: str) -> tuple[tuple[int, ...], list]:
+    """(expected sites, left unfused as (layer, block, reason pattern)) of a transformers MoE model under the
+    installed transformers' TP plan, which changed in 5.25.
+
+    Up to 5.24 the plans shard the routed experts (`packed_colwise` / `rowwise` + `moe_tp_experts`):
+    - DeepseekV3 (only the MLPs sharded, MLA attention replicated): embedding, the dense layer's MLP, the MoE
+      layer's experts + shared experts (merged, then fused into the final norm);
+    - Qwen3-MoE: embedding + 2 x (attention, MoE experts viewed back to [batch, seq, hidden] before the
+      residual add; the experts gather the norm's rows by token index, which reads it from memory as a GEMM
+      does: tier (a)).
+    From 5.25 the routed experts are replicated (no all-reduce):
+    - DeepseekV3 shards MLA attention too: embedding + 2 x attention, the dense MLP, and the shared experts,
+      whose all-reduced output is added to the routed output before the residual add: left to Inductor;
+    - Qwen3-MoE: embedding + 2 x attention.
+    """
+    import transformers as tf
+
+    config_class = tf.DeepseekV3Config if name == "hf_deepseek_v3_tp_plan" else tf.Qwen3MoeConfig
+    if "layers.*.mlp.experts" in config_class.base_model_tp_plan:
+        return ((4, 1, 2, 1, 0) if name == "hf_deepseek_v3_tp_plan" else (5, 0, 4, 1, 0)), []
+    if name == "hf_deepseek_v3_tp_plan":
+        return (5, 0, 3, 1, 0), [(1, "MoE", SHARED_EXPERTS_UNFUSED)]
+    return (3, 0, 2, 1, 0), []
+
+
+def expected(name: str) -> tuple[tuple[int, ...], list]:
+    """(sites, all-reduces left unfused as (layer, block, reason pattern)) expected of one model."""
+    if EXPECTED_SITES[name] is None:
+        return _moe_plan_sites(name)
+    return EXPECTED_SITES[name], [(layer, block, re.escape(reason)) for layer, block, reason in LEFT_UNFUSED.get(name, [])]
 #: Sites in tier (b): (layer, block) -> the reason `report_compiled` gives, as a pattern. Gemma's sandwich norms
 #: feed the residual add.
 SANDWICH = (r"its norm's output feeds `add(_\d+)?` \(aten\.add\.Tensor\), which Inductor fuses into the norm's "
@@ -167,7 +204,7 @@ def _run_case(name: str, dtype: torch.dtype, ctx) -> dict:
     stats = record.stats
     error = (compiled.float() - eager.float()).abs().max().item() / eager.float().abs().max().item()
     unfused, tier_b = [], {}
-    if name in LEFT_UNFUSED or name in TIER_B:
+    if expected(name)[1] or name in TIER_B:
         from fxfuse.inspect.compiled_report import report_compiled
 
         with torch.no_grad():
@@ -219,16 +256,19 @@ def test_every_site_fused_and_numerics(results, name, dtype):
     per_rank = [rank_results[name, dtype] for rank_results in results]
     for result in per_rank:
         assert "failed" not in result, result.get("failed")
-    assert [r["sites"] for r in per_rank] == [EXPECTED_SITES[name]] * 2
-    left = LEFT_UNFUSED.get(name, [])
+    sites, left = expected(name)
+    assert [r["sites"] for r in per_rank] == [sites] * 2
     assert [r["allreduces_after"] for r in per_rank] == [len(left)] * 2
-    assert [r["unfused"] for r in per_rank] == [left] * 2
+    for result in per_rank:
+        assert [(layer, block) for layer, block, _ in result["unfused"]] == [(layer, block) for layer, block, _ in left]
+        for (_, _, reason), (_, _, pattern) in zip(result["unfused"], left):
+            assert re.fullmatch(pattern, reason), reason
     expected_b = TIER_B.get(name, {})
     for result in per_rank:
         assert result["tier_b"].keys() == expected_b.keys()
         for site, reason in result["tier_b"].items():
             assert re.fullmatch(expected_b[site], reason), (site, reason)
-    bound = FP32_BOUND if dtype == torch.float32 else BF16_BOUND.get(name, 0.0)
+    bound = FP32_BOUND if dtype == torch.float32 else MERGED_BF16_BOUND[name] if sites[1] else 0.0
     assert max(r["relative_error"] for r in per_rank) <= bound
 
 
