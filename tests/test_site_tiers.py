@@ -185,6 +185,28 @@ def test_an_all_reduce_without_a_norm_gets_the_fast_op_and_keeps_its_reason():
     _assert_bit_identical(got, expected, "no norm")
 
 
+def test_shared_experts_added_to_replicated_routed_experts_get_the_fast_op():
+    """transformers 5.25's DeepseekV3 plan: the sharded shared experts' all-reduced output is added to the
+    replicated routed experts' output, then to the residual, then normed. Not fusible (another addition order),
+    so the fast all-reduce-only op (forced here, as on CPU), with its reason, and eager's values."""
+    shared, residual, weight = _inputs(2)
+    routed = _inputs(3)[0]
+
+    def moe_layer_end(shared, routed, residual, weight, group_name):
+        hidden = residual + (routed + funcol.all_reduce(shared, "sum", group_name))
+        return rmsnorm_transformers(hidden, weight, 1e-6), hidden
+
+    with fake_process_group() as group:
+        fn = lambda *args: moe_layer_end(*args, group.group_name)  # noqa: E731
+        capture, got = compile_and_run(fn, shared, routed, residual, weight,
+                                       backend=GraphCapture(patterns=PATTERNS, fuse_without_fast_kernel=True))
+        expected = fn(shared, routed, residual, weight)
+    assert _tiers(capture.graphs[0].graph) == (0, 0, 1)
+    (node,) = capture.graphs[0].graph.find_nodes(op="call_function", target=all_reduce)
+    assert "which is not all-reduced, before the residual add" in node.meta[TIER_REASON], node.meta[TIER_REASON]
+    _assert_bit_identical(got, expected, "shared + routed experts")
+
+
 @pytest.mark.parametrize("name", ["clamp_then_scale", "per_tensor_dynamic_fp8"])
 def test_without_the_fast_allreduce_pattern_there_is_no_tier_b(name):
     """Without `fast_allreduce` the old behaviour: the site stays fused, whatever follows."""
