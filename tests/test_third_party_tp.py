@@ -117,6 +117,8 @@ def expected(name: str) -> tuple[tuple[int, ...], list]:
     if EXPECTED_SITES[name] is None:
         return _moe_plan_sites(name)
     return EXPECTED_SITES[name], [(layer, block, re.escape(reason)) for layer, block, reason in LEFT_UNFUSED.get(name, [])]
+
+
 #: Sites in tier (b): (layer, block) -> the reason `report_compiled` gives, as a pattern. Gemma's sandwich norms
 #: feed the residual add.
 SANDWICH = (r"its norm's output feeds `add(_\d+)?` \(aten\.add\.Tensor\), which Inductor fuses into the norm's "
