@@ -17,15 +17,19 @@ unfused code's rounding depends on. With `x` the normed output upcast to float32
      1 / (448 * 512)), in `scale_dtype` (the bound rounded to it, as torch's clamp rounds it);
   5. `power_of_two`: `none`, or the scale rounded to a power of two, `2 ** ceil(log2(s))` (UE8M0
      scales of DeepSeek-V3.1 and vLLM), `floor` or `nearest` (`round`, half to even: torchao's
-     e8m0), each step rounded to `scale_dtype`; then the scale as float32;
+     e8m0), each step rounded to `scale_dtype`; with `bound_after_power_of_two`, step 4 comes after
+     this one (vLLM's UE8M0 group quantization rounds first, then bounds); then the scale as float32;
   6. `x / scale`, or `x * (1 / scale)` when `reciprocal` (vLLM's `scale.reciprocal()`; the reciprocal
      rounded to float32 once);
   scales `[..., ceil(hidden / group_size)]` or `[..., 1]`.
 - `static_mul` / `static_div`: one calibrated float32 scale tensor: `x * s` or `x / s`, no scales.
 Then the values are clamped to +-448 when `saturate` (the code's clamp), else cast as torch casts them:
 from torch 2.13 on its cast saturates to +-448 too, before it |v| > 464 becomes NaN ([448, 464] rounds
-to 448 in both); `cast_saturates()` says which the installed torch does. `quantize_fp8` is the arithmetic every kernel
-reproduces (NaN where the unfused code has NaN); on CPU it is the unfused torch code's, bit for bit.
+to 448 in both); `cast_saturates()` says which the installed torch does. The divisor of step 3 and the
+clamp's bound are 448 unless the graph passes them in when it runs (`Fp8Limits`: under
+`torch.compile(dynamic=True)` dynamo makes a module constant such as `torch.finfo(float8_e4m3fn).max` a
+graph input). `quantize_fp8` is the arithmetic every kernel reproduces (NaN where the unfused code has
+NaN); on CPU it is the unfused torch code's, bit for bit.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class Fp8Recipe:
     power_of_two: str = "none"
     reciprocal: bool = False
     saturate: bool = True
+    bound_after_power_of_two: bool = False
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
@@ -66,6 +71,9 @@ class Fp8Recipe:
                              f"{', '.join(POWER_OF_TWO_ROUNDINGS)}")
         if not self.dynamic and (self.min_amax or self.min_scale or self.power_of_two != "none" or self.reciprocal):
             raise ValueError(f"{self.scaling} FP8 scaling takes no scale arithmetic (bounds, power of two, reciprocal)")
+        if self.bound_after_power_of_two and not (self.min_scale and self.power_of_two != "none"):
+            raise ValueError("bound_after_power_of_two orders a lower bound on the scale after its power-of-two rounding: "
+                             "the recipe needs both")
 
     @property
     def dynamic(self) -> bool:
@@ -95,10 +103,9 @@ class Fp8Recipe:
             words.append(f"max >= {self.min_amax:.3g}")
         if self.dynamic and self.scale_dtype != torch.float32:
             words.append(f"scale in {str(self.scale_dtype).removeprefix('torch.')}")
-        if self.min_scale:
-            words.append(f"scale >= {self.min_scale:.3g}")
-        if self.power_of_two != "none":
-            words.append(f"power-of-two scale ({self.power_of_two})")
+        bound = [f"scale >= {self.min_scale:.3g}"] if self.min_scale else []
+        rounding = [f"power-of-two scale ({self.power_of_two})"] if self.power_of_two != "none" else []
+        words += rounding + bound if self.bound_after_power_of_two else bound + rounding
         if self.reciprocal:
             words.append("times the scale's reciprocal")
         if not self.saturate:
@@ -128,6 +135,16 @@ def scale_shape(normed_shape: torch.Size, recipe: Fp8Recipe) -> list:
     return [*normed_shape[:-1], recipe.groups(normed_shape[-1])] if recipe.dynamic else [0]
 
 
+@dataclass(frozen=True)
+class Fp8Limits:
+    """The two constants of a quantization the graph may pass in when it runs: the divisor of the group
+    maximum (step 3) and the bound of the values' clamp (+-`clamp`), both 448 in every spelling seen;
+    each a 0-dim CPU tensor of the graph where dynamo lifted the Python float to a graph input."""
+
+    divisor: float = 448.0
+    clamp: float = 448.0
+
+
 @functools.cache
 def cast_saturates() -> bool:
     """Whether the installed torch casts a float32 beyond e4m3's range to +-448 (torch >= 2.13) rather
@@ -150,31 +167,40 @@ def dynamic_scales(amax: torch.Tensor, recipe: Fp8Recipe, divisor: float = FP8_M
     if recipe.min_amax:
         amax = amax.clamp_min(recipe.min_amax)
     scale = amax.to(recipe.scale_dtype) / divisor
-    if recipe.min_scale:
+    if recipe.min_scale and not recipe.bound_after_power_of_two:
         scale = scale.clamp_min(recipe.min_scale)
     if recipe.power_of_two != "none":
         scale = torch.exp2(_POWER_OF_TWO_EXPONENT[recipe.power_of_two](torch.log2(scale)))
+    if recipe.bound_after_power_of_two:
+        scale = scale.clamp_min(recipe.min_scale)
     return scale.float()
 
 
 def quantize_fp8(normed: torch.Tensor, recipe: Fp8Recipe, static_scale: torch.Tensor | None = None,
-                 divisor: float = FP8_MAX) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 values shaped like `normed`, float32 scales of `scale_shape`) in the recipe's arithmetic;
-    a dynamic scale is `amax / divisor` (448, unless the graph divides by another value: under
-    `torch.compile(dynamic=True)` dynamo passes a Python float such as 448 in as a graph input)."""
+                 limits: Fp8Limits = Fp8Limits()) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values shaped like `normed`, float32 scales of `scale_shape`) in the recipe's arithmetic,
+    with the divisor and clamp bound of `limits` (448 unless the graph passes them in)."""
     x = normed.float()
     if not recipe.dynamic:
         scaled = x * static_scale if recipe.scaling == "static_mul" else x / static_scale
-        return _to_fp8(scaled, recipe), x.new_empty(0)
+        return _to_fp8(scaled, recipe, limits.clamp), x.new_empty(0)
+    grouped, maxima = group_maxima(normed, recipe)
+    scale = dynamic_scales(maxima, recipe, limits.divisor)
+    divided = grouped * scale.reciprocal().unsqueeze(-1) if recipe.reciprocal else grouped / scale.unsqueeze(-1)
+    quantized = _to_fp8(divided, recipe, limits.clamp)
+    hidden = normed.shape[-1]
+    return quantized.view(*normed.shape[:-1], grouped.shape[-2] * grouped.shape[-1])[..., :hidden], scale
+
+
+def group_maxima(normed: torch.Tensor, recipe: Fp8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the values in float32 as `[..., groups, group]`, zero padded to whole groups; step 1, the maxima of
+    |x| per group `[..., groups]`) of a dynamic recipe."""
     hidden = normed.shape[-1]
     size = recipe.group_size if recipe.scaling == "per_group" else hidden
     padding = (-hidden) % size  # a partial last group, zero padded (zeros change no maximum)
-    grouped = torch.nn.functional.pad(x, (0, padding)).view(*normed.shape[:-1], (hidden + padding) // size, size)
-    scale = dynamic_scales(grouped.abs().amax(-1), recipe, divisor)
-    divided = grouped * scale.reciprocal().unsqueeze(-1) if recipe.reciprocal else grouped / scale.unsqueeze(-1)
-    quantized = _to_fp8(divided, recipe)
-    return quantized.view(*normed.shape[:-1], hidden + padding)[..., :hidden], scale
+    grouped = torch.nn.functional.pad(normed.float(), (0, padding)).view(*normed.shape[:-1], (hidden + padding) // size, size)
+    return grouped, grouped.abs().amax(-1)
 
 
-def _to_fp8(scaled: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
-    return (scaled.clamp(-FP8_MAX, FP8_MAX) if recipe.saturate else scaled).to(FP8_DTYPE)
+def _to_fp8(scaled: torch.Tensor, recipe: Fp8Recipe, bound: float) -> torch.Tensor:
+    return (scaled.clamp(-bound, bound) if recipe.saturate else scaled).to(FP8_DTYPE)

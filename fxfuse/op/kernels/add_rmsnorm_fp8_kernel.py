@@ -5,8 +5,9 @@ quantized, scales)` computes, per row, what `fxfuse.op.kernels.add_rmsnorm_kerne
 (`residual_out = reduced + residual` in the dtype; `normed = weight * (h * rsqrt(mean(h**2) + eps)).to(dtype)`
 with `h` in float32), writes `normed` only when given (something else reads it), then quantizes
 `normed` to e4m3 as `fxfuse.op.fp8_recipe.quantize_fp8` does: per group of the recipe's size, per row,
-or with a static scale, with every step of the recipe (bounds, power-of-two scales, reciprocal or
-division, clamp or NaN past 464); the group maximum, its division by 448 (the scale divisor) and the
+or with a static scale, with every step of the recipe (bounds, power-of-two scales in either order
+with the scale's bound, reciprocal or division, the clamp to the graph's bound, then the cast as the
+installed torch's: saturating, or NaN past 464); the group maximum, its division by 448 (the scale divisor) and the
 division of each value by its scale are IEEE float32 operations, as torch computes them; a scale
 computed in the activation dtype (torchao) is rounded to it after each step; log2 and exp2 are
 CUDA's, as torch's CUDA kernels call them; NaN propagates through maxima and clamps as in torch. One pass over the data after the all-reduce: the
@@ -29,7 +30,7 @@ import functools
 
 import torch
 
-from fxfuse.op.fp8_recipe import FP8_MAX, Fp8Recipe, cast_saturates, quantize_fp8, rounded_to
+from fxfuse.op.fp8_recipe import Fp8Limits, Fp8Recipe, cast_saturates, quantize_fp8, rounded_to
 from fxfuse.op.kernels.add_rmsnorm_kernel import MAX_HIDDEN, POINTER_ALIGNMENT, next_power_of_2, num_warps_for
 from fxfuse.op.kernels.triton_launch import DirectLaunch, launch_hooks_installed
 from fxfuse.op.reference import add_rmsnorm
@@ -55,7 +56,7 @@ def add_rmsnorm_fp8_into(
     reduced: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, recipe: Fp8Recipe,
     static_scale: torch.Tensor | None, residual_out: torch.Tensor, normed: torch.Tensor | None,
     quantized: torch.Tensor, scales: torch.Tensor, weight_offset: float = 0.0, weight_in_fp32: bool = False,
-    divisor: float = FP8_MAX,
+    limits: Fp8Limits = Fp8Limits(),
 ) -> None:
     """Write `reduced (+ residual)` into `residual_out`, its RMSNorm times `weight` into `normed` (if
     given) and that norm's e4m3 quantization into `quantized` and `scales`.
@@ -66,38 +67,38 @@ def add_rmsnorm_fp8_into(
     CUDA-graph capture once compiled for this recipe, dtype and hidden size.
     """
     _launch(True, reduced, residual, weight, eps, recipe, static_scale, residual_out, normed, quantized, scales,
-            weight_offset, weight_in_fp32, divisor)
+            weight_offset, weight_in_fp32, limits)
 
 
 def quantize_fp8_into(normed: torch.Tensor, recipe: Fp8Recipe, static_scale: torch.Tensor | None,
-                      quantized: torch.Tensor, scales: torch.Tensor, divisor: float = FP8_MAX) -> None:
+                      quantized: torch.Tensor, scales: torch.Tensor, limits: Fp8Limits = Fp8Limits()) -> None:
     """`fxfuse.op.fp8_recipe.quantize_fp8(normed, ...)` written into `quantized` and `scales`."""
-    _launch(False, normed, None, normed, 0.0, recipe, static_scale, normed, None, quantized, scales, 0.0, False, divisor)
+    _launch(False, normed, None, normed, 0.0, recipe, static_scale, normed, None, quantized, scales, 0.0, False, limits)
 
 
 def _launch(normalize: bool, source, residual, weight, eps, recipe: Fp8Recipe, static_scale, residual_out, normed,
-            quantized, scales, weight_offset: float, weight_in_fp32: bool, divisor: float) -> None:
+            quantized, scales, weight_offset: float, weight_in_fp32: bool, limits: Fp8Limits) -> None:
     hidden = source.shape[-1]
     tokens = source.numel() // hidden if hidden else 0
     if tokens == 0:
         return
     if hidden > MAX_HIDDEN:
         _reference_into(normalize, source, residual, weight, eps, recipe, static_scale, residual_out, normed, quantized, scales,
-                        weight_offset, weight_in_fp32, divisor)
+                        weight_offset, weight_in_fp32, limits)
         return
     has_residual, store_normed = residual is not None, normed is not None
     pointers = (source, residual if has_residual else source, weight, residual_out, normed if store_normed else source,
                 quantized, scales if scales.numel() else quantized, static_scale if static_scale is not None else scales)
-    args = (*pointers, hidden, max(1, recipe.groups(hidden)), float(eps), float(recipe.min_amax), float(divisor),
-            rounded_to(recipe.min_scale, recipe.scale_dtype))
+    args = (*pointers, hidden, max(1, recipe.groups(hidden)), float(eps), float(recipe.min_amax), float(limits.divisor),
+            rounded_to(recipe.min_scale, recipe.scale_dtype), float(limits.clamp))
     if recipe.scaling == "per_group":
         rows, cols = next_power_of_2(-(-hidden // recipe.group_size)), recipe.group_size
     else:
         rows, cols = 1, next_power_of_2(hidden)
     constexprs = (normalize, has_residual, store_normed, SCALING_CODES[recipe.scaling],
                   SCALE_ROUNDING_CODES.get(recipe.scale_dtype, 0), rows, cols, bool(weight_in_fp32), float(weight_offset),
-                  POWER_OF_TWO_CODES[recipe.power_of_two], recipe.reciprocal, recipe.saturate or cast_saturates(),
-                  source.is_cuda)
+                  POWER_OF_TWO_CODES[recipe.power_of_two], recipe.bound_after_power_of_two, recipe.reciprocal, recipe.saturate,
+                  cast_saturates(), source.is_cuda)
     key = None
     if source.is_cuda:
         device = torch.cuda.current_device()
@@ -112,7 +113,7 @@ def _launch(normalize: bool, source, residual, weight, eps, recipe: Fp8Recipe, s
 
 
 def _reference_into(normalize, source, residual, weight, eps, recipe, static_scale, residual_out, normed, quantized, scales,
-                    weight_offset, weight_in_fp32, divisor):
+                    weight_offset, weight_in_fp32, limits):
     """The reference arithmetic in torch operations, written into the outputs (rows wider than the kernel's)."""
     if normalize:
         normed_value, summed = add_rmsnorm(source, residual, weight, eps, weight_offset, weight_in_fp32)
@@ -121,7 +122,7 @@ def _reference_into(normalize, source, residual, weight, eps, recipe, static_sca
             normed.copy_(normed_value)
     else:
         normed_value = source
-    quantized_value, scale_value = quantize_fp8(normed_value, recipe, static_scale, divisor)
+    quantized_value, scale_value = quantize_fp8(normed_value, recipe, static_scale, limits)
     quantized.copy_(quantized_value)
     scales.copy_(scale_value.view(scales.shape))
 

@@ -57,11 +57,11 @@ def divided(x, divisor, reciprocal):
 @triton.jit
 def add_rmsnorm_fp8_rows(
     reduced_ptr, residual_ptr, weight_ptr, residual_out_ptr, normed_ptr, quantized_ptr, scales_ptr, static_scale_ptr,
-    hidden, groups, eps, min_amax, divisor, min_scale,
+    hidden, groups, eps, min_amax, divisor, min_scale, clamp_bound,
     NORMALIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STORE_NORMED: tl.constexpr, SCALING: tl.constexpr,
     SCALE_ROUNDING: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr,
-    WEIGHT_OFFSET: tl.constexpr, POWER_OF_TWO: tl.constexpr, RECIPROCAL: tl.constexpr, SATURATE: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
+    WEIGHT_OFFSET: tl.constexpr, POWER_OF_TWO: tl.constexpr, BOUND_AFTER_POWER_OF_TWO: tl.constexpr,
+    RECIPROCAL: tl.constexpr, SATURATE: tl.constexpr, CAST_SATURATES: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
     # One program per token; its row as a [ROWS, COLS] tile: ROWS groups of COLS values for per-group
     # scales (no reshape between the norm and the group maxima), one row of the whole width otherwise.
@@ -102,10 +102,12 @@ def add_rmsnorm_fp8_rows(
         if min_amax > 0.0:
             amax = nan_max(amax, min_amax)
         scale = rounded(tl.math.div_rn(rounded(amax, SCALE_ROUNDING), divisor), SCALE_ROUNDING)
-        if min_scale > 0.0:
+        if not BOUND_AFTER_POWER_OF_TWO and min_scale > 0.0:
             scale = nan_max(scale, min_scale)
         if POWER_OF_TWO != 0:
             scale = power_of_two(scale, POWER_OF_TWO, SCALE_ROUNDING, LIBDEVICE)
+        if BOUND_AFTER_POWER_OF_TWO:
+            scale = nan_max(scale, min_scale)
         group_ids = tl.arange(0, ROWS)
         tl.store(scales_ptr + row * groups + group_ids, scale, mask=group_ids < groups)
         reciprocals = tl.broadcast_to(tl.math.div_rn(1.0, scale)[:, None], (ROWS, COLS))
@@ -113,10 +115,12 @@ def add_rmsnorm_fp8_rows(
             scaled = x * reciprocals
         else:
             scaled = divided(x, tl.broadcast_to(scale[:, None], (ROWS, COLS)), reciprocals)
-    if SATURATE:
-        clamped = tl.minimum(nan_max(scaled, -448.0), 448.0, propagate_nan=tl.PropagateNan.ALL)
+    if SATURATE:  # the code's clamp, to its bound
+        scaled = tl.minimum(nan_max(scaled, -clamp_bound), clamp_bound, propagate_nan=tl.PropagateNan.ALL)
+    if CAST_SATURATES:  # torch >= 2.13's cast: +-448 beyond the range
+        scaled = tl.minimum(nan_max(scaled, -448.0), 448.0, propagate_nan=tl.PropagateNan.ALL)
     else:
         # torch < 2.13's cast (seen on the H200 with 2.11): NaN above 464; 464 itself rounds to 448, as
         # [448, 464) does, which the conversion below gives too
-        clamped = tl.where(tl.abs(scaled) > 464.0, float("nan"), scaled)
-    tl.store(quantized_ptr + offsets, clamped.to(quantized_ptr.dtype.element_ty), mask=mask)
+        scaled = tl.where(tl.abs(scaled) > 464.0, float("nan"), scaled)
+    tl.store(quantized_ptr + offsets, scaled.to(quantized_ptr.dtype.element_ty), mask=mask)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from fxfuse.op.decide.group_config import forget_group, when_group_forgotten
-from fxfuse.op.fp8_recipe import FP8_MAX, Fp8Recipe, check_fp8_arguments
+from fxfuse.op.fp8_recipe import Fp8Limits, Fp8Recipe, check_fp8_arguments
 from fxfuse.op.kernels.native_fallback import forget_shapes, native_installed, register_all_reduce_shape, register_shape
 from fxfuse.op.reference import check_arguments, resolve_group
 from fxfuse.op.runtime.planning import plan_all_reduce, plan_call
@@ -103,13 +103,13 @@ def allreduce_residual_rmsnorm_cuda(
 def allreduce_residual_rmsnorm_fp8_cuda(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, group_name: str, recipe: Fp8Recipe,
     static_scale: torch.Tensor | None, return_normed: bool, x_donated: bool = False, weight_offset: float = 0.0,
-    weight_in_fp32: bool = False, divisor: float = FP8_MAX,
+    weight_in_fp32: bool = False, limits: Fp8Limits = Fp8Limits(),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The FP8 variant on CUDA tensors (`fxfuse.op.fp8_schema`): the same plans, with the quantization
     after the norm; (quantized, scales, residual_out, normed or an empty tensor)."""
     check_arguments(x, residual, weight, weight_in_fp32)
     check_fp8_arguments(x.shape, recipe, static_scale, x.device)
     norm = (weight_offset, weight_in_fp32)
-    epilogue = Fp8Epilogue(recipe, static_scale, return_normed, divisor)
+    epilogue = Fp8Epilogue(recipe, static_scale, return_normed, limits)
     plan = _plan_for(plan_key(group_name, x, residual, weight, norm, recipe), group_name)
     return plan.fp8(x, residual, weight, eps, x_donated, epilogue, norm)

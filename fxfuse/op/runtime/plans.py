@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from fxfuse.op.decide.modes import FusionMode
 from fxfuse.op.decide.policy import FusionDecision
-from fxfuse.op.fp8_recipe import FP8_DTYPE, FP8_MAX, Fp8Recipe, scale_shape
+from fxfuse.op.fp8_recipe import FP8_DTYPE, Fp8Limits, Fp8Recipe, scale_shape
 from fxfuse.op.kernels.add_rmsnorm_fp8_kernel import add_rmsnorm_fp8_into, quantize_fp8_into
 from fxfuse.op.kernels.add_rmsnorm_kernel import add_rmsnorm_into
 from fxfuse.op.kernels.native_fallback import all_reduce_calls, calls_by_reason, reset_counts
@@ -108,7 +108,7 @@ class Fp8Epilogue:
     recipe: Fp8Recipe
     static_scale: torch.Tensor | None
     return_normed: bool
-    divisor: float = FP8_MAX
+    limits: Fp8Limits = Fp8Limits()
 
     def run(self, reduced, residual, weight, eps, residual_out, norm: tuple) -> tuple:
         """The add, norm (`norm`: weight offset, weight in float32) and quantization of all-reduced
@@ -116,13 +116,13 @@ class Fp8Epilogue:
         quantized, scales, normed = self.outputs(reduced)
         add_rmsnorm_fp8_into(reduced, None if residual is None else aligned(residual), aligned(weight), eps, self.recipe,
                              self.static_scale, residual_out, normed if self.return_normed else None, quantized, scales, *norm,
-                             divisor=self.divisor)
+                             limits=self.limits)
         return quantized, scales, residual_out, normed
 
     def quantize(self, normed) -> tuple:
         """(quantized, scales, normed or an empty tensor) of an already normed output."""
         quantized, scales, _ = self.outputs(normed)
-        quantize_fp8_into(normed, self.recipe, self.static_scale, quantized, scales, self.divisor)
+        quantize_fp8_into(normed, self.recipe, self.static_scale, quantized, scales, self.limits)
         return quantized, scales, normed if self.return_normed else normed.new_empty(0)
 
     def outputs(self, like: torch.Tensor) -> tuple:

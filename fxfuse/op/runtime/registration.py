@@ -24,8 +24,8 @@ import functools
 import torch
 
 from fxfuse.op.all_reduce_schema import IN_PLACE_SCHEMA, SCHEMA
-from fxfuse.op.fp8_recipe import Fp8Recipe, check_fp8_arguments, quantize_fp8
-from fxfuse.op.fp8_schema import FP8_OP_NAME, FP8_OVERLOADS, fp8_overload_name, recipe_from_arguments, scale_divisor_value
+from fxfuse.op.fp8_recipe import Fp8Limits, Fp8Recipe, check_fp8_arguments, quantize_fp8
+from fxfuse.op.fp8_schema import FP8_OP_NAME, FP8_OVERLOADS, fp8_overload_name, recipe_from_arguments, fp8_limits
 from fxfuse.op.kernels import native_fallback
 from fxfuse.op.kernels.native_build import load_native_library
 from fxfuse.op.reference import NORM_ARGUMENTS, add_rmsnorm
@@ -97,12 +97,12 @@ def _cuda_all_reduce_(x: torch.Tensor, group_name: str) -> None:
 
 
 def _cpu_fp8_kernel(x, residual, weight, eps, group_name, recipe: Fp8Recipe, static_scale, return_normed, weight_offset,
-                    weight_in_fp32, scale_divisor, x_donated: bool):
+                    weight_in_fp32, limits: Fp8Limits, x_donated: bool):
     """Reference: the plain op's CPU kernel, then `quantize_fp8` of its normed output."""
     check_fp8_arguments(x.shape, recipe, static_scale, x.device)
     normed, residual_out = allreduce_residual_rmsnorm_cpu(x, residual, weight, eps, group_name, x_donated, weight_offset,
                                                           weight_in_fp32)
-    quantized, scales = quantize_fp8(normed, recipe, static_scale, scale_divisor_value(scale_divisor))
+    quantized, scales = quantize_fp8(normed, recipe, static_scale, limits)
     return quantized, scales, residual_out, normed if return_normed else normed.new_empty(0)
 
 
@@ -146,18 +146,20 @@ def _register_fp8(overload: str) -> None:
 
     def cpu(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale, return_normed,
             weight_offset=0.0, weight_in_fp32=False, scale_divisor=None, min_scale=0.0, power_of_two="none",
-            reciprocal=False, saturate=True):
-        recipe = recipe_from_arguments(scaling, group_size, min_amax, scale_dtype, min_scale, power_of_two, reciprocal, saturate)
+            reciprocal=False, saturate=True, bound_after_power_of_two=False, clamp_bound=None):
+        recipe = recipe_from_arguments(scaling, group_size, min_amax, scale_dtype, min_scale, power_of_two, reciprocal, saturate,
+                                       bound_after_power_of_two)
         return _cpu_fp8_kernel(x, residual, weight, eps, group_name, recipe, static_scale, return_normed, weight_offset,
-                               weight_in_fp32, scale_divisor, donated)
+                               weight_in_fp32, fp8_limits(scale_divisor, clamp_bound), donated)
 
     def cuda(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale, return_normed,
              weight_offset=0.0, weight_in_fp32=False, scale_divisor=None, min_scale=0.0, power_of_two="none",
-             reciprocal=False, saturate=True):
-        recipe = recipe_from_arguments(scaling, group_size, min_amax, scale_dtype, min_scale, power_of_two, reciprocal, saturate)
+             reciprocal=False, saturate=True, bound_after_power_of_two=False, clamp_bound=None):
+        recipe = recipe_from_arguments(scaling, group_size, min_amax, scale_dtype, min_scale, power_of_two, reciprocal, saturate,
+                                       bound_after_power_of_two)
         return _cuda_dispatch().allreduce_residual_rmsnorm_fp8_cuda(
             x, residual, weight, float(eps), group_name, recipe, static_scale, return_normed, donated, weight_offset,
-            weight_in_fp32, scale_divisor_value(scale_divisor))
+            weight_in_fp32, fp8_limits(scale_divisor, clamp_bound))
 
     cpu.__doc__ = f"CPU reference kernel of `{FP8_OP_NAME}.{overload}`."
     cuda.__doc__ = f"CUDA kernel of `{FP8_OP_NAME}.{overload}`."
