@@ -18,10 +18,9 @@ from nccl_plan_helpers import use_nccl_plans
 from toy_graphs import GraphCapture, compile_and_run, fake_process_group, rmsnorm_transformers
 
 from fxfuse.backend import FxfuseBackend
-from fxfuse.op.fp8_recipe import Fp8Recipe, quantize_fp8, rounded_to, scale_shape
+from fxfuse.op.fp8_recipe import Fp8Recipe, cast_saturates, quantize_fp8, rounded_to, scale_shape
 from fxfuse.op.fp8_schema import FP8_OPS, allreduce_residual_rmsnorm_fp8, recipe_of
 from fxfuse.op.reference import add_rmsnorm
-from fxfuse.op.schema import NORM_OPS
 from fxfuse.op.all_reduce_schema import all_reduce
 from fxfuse.passes.config import FAST_ALLREDUCE, FP8_EPILOGUE, PATTERNS
 from fxfuse.passes.fp8_epilogue import FP8_REASON
@@ -101,6 +100,37 @@ def per_group_vllm(x):
     return _per_group_vllm(x, False)
 
 
+def per_group_vllm_ue8m0_rounded_then_bounded(x):
+    """vLLM's UE8M0 group quantization as its newer releases write it: the scale rounded up to a power of two
+    first, then bounded below by 1 / (448 * 512) (issue 39: the recipe could only bound, then round)."""
+    hidden = x.shape[-1]
+    groups = (hidden + 127) // 128
+    padded = groups * 128
+    if padded != hidden:
+        x = F.pad(x, (0, padded - hidden), mode="constant", value=0.0)
+    grouped = x.view(-1, groups, 128)
+    absmax = grouped.abs().max(dim=-1, keepdim=True)[0].float()
+    scales = torch.exp2(torch.ceil(torch.log2(absmax / FP8_MAX)))
+    scales = scales.clamp(min=1.0 / (FP8_MAX * 512.0))
+    quantized = (grouped / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(-1, padded)
+    if padded != hidden:
+        quantized = quantized[..., :hidden]
+    return quantized, scales.squeeze(-1)
+
+
+def per_row_power_of_two_scalar_base(x):
+    """A power-of-two scale written `torch.pow(2.0, ...)` (a scalar base; issue 39)."""
+    amax = x.float().abs().amax(-1, keepdim=True)
+    scale = torch.pow(2.0, torch.ceil(torch.log2(amax / 448.0)))
+    return (x.float() / scale).clamp(-448.0, 448.0).to(FP8), scale
+
+
+def per_row_one_sided_clamp(x):
+    """A clamp from above only: the cast of torch 2.13 on saturates below -448 as the clamp would."""
+    scale = x.float().abs().amax(-1, keepdim=True) / 448.0
+    return (x.float() / scale).clamp(max=448.0).to(FP8), scale
+
+
 def per_group_vllm_ue8m0(x):
     return _per_group_vllm(x, True)
 
@@ -159,15 +189,22 @@ def block(x, residual, weight, group, quantize, *scale):
 
 
 VLLM_MIN_SCALE = rounded_to(1.0 / (448.0 * 512.0), torch.float32)
+#: A code without a clamp before the cast: on a torch whose cast saturates (2.13 on) it is the clamped recipe, the
+#: first in the search's order of preference (the two give the same values there).
+UNCLAMPED = cast_saturates()
 SPELLINGS = {
     "per_group_models_quant": (per_group_models_quant, Fp8Recipe("per_group", 128, rounded_to(1e-12, torch.float32))),
-    "per_group_deepseek": (per_group_deepseek, Fp8Recipe("per_group", 128, saturate=False)),
+    "per_group_deepseek": (per_group_deepseek, Fp8Recipe("per_group", 128, saturate=UNCLAMPED)),
     "per_group_deepseek_ue8m0": (per_group_deepseek_ue8m0, Fp8Recipe(
-        "per_group", 128, rounded_to(1e-4, torch.float32), power_of_two="ceil", saturate=False)),
+        "per_group", 128, rounded_to(1e-4, torch.float32), power_of_two="ceil", saturate=UNCLAMPED)),
     "per_token_vllm": (per_token_vllm, Fp8Recipe("per_row", min_scale=VLLM_MIN_SCALE, reciprocal=True)),
     "per_group_vllm": (per_group_vllm, Fp8Recipe("per_group", 128, min_scale=VLLM_MIN_SCALE)),
     "per_group_vllm_ue8m0": (per_group_vllm_ue8m0, Fp8Recipe("per_group", 128, min_scale=VLLM_MIN_SCALE,
                                                              power_of_two="ceil")),
+    "per_group_vllm_ue8m0_rounded_then_bounded": (per_group_vllm_ue8m0_rounded_then_bounded, Fp8Recipe(
+        "per_group", 128, min_scale=VLLM_MIN_SCALE, power_of_two="ceil", bound_after_power_of_two=True)),
+    "per_row_power_of_two_scalar_base": (per_row_power_of_two_scalar_base, Fp8Recipe("per_row", power_of_two="ceil")),
+    "per_row_one_sided_clamp": (per_row_one_sided_clamp, Fp8Recipe("per_row")),
     "per_group_sglang": (per_group_sglang, Fp8Recipe("per_group", 128, rounded_to(1e-10, torch.bfloat16))),
     "per_group_reciprocal_unflatten": (per_group_reciprocal_unflatten, Fp8Recipe("per_group", 128, reciprocal=True)),
     "per_row_torchao_spelling": (per_row_torchao_spelling, Fp8Recipe("per_row", 0, 0.0, torch.bfloat16)),
@@ -179,11 +216,9 @@ SPELLINGS = {
 }
 #: Spellings left unfolded under dynamic=True (the toy's row width is symbolic there, unlike a model's, whose
 #: width comes from its weights), and why: grouping the flattened rows (`view(-1, 128)`) lets a group span two
-#: rows of a width not known to be a multiple of 128 (test_a_flattened_grouping_of_a_symbolic_width_is_left_out);
-#: `flatten(-2)` after `unflatten` reads the number of groups from the grouped value, which the op does not produce.
+#: rows of a width not known to be a multiple of 128 (test_a_flattened_grouping_of_a_symbolic_width_is_left_out).
 DYNAMIC_UNFOLDED = {"per_group_deepseek": "groups the flattened rows", "per_group_deepseek_ue8m0": "groups the flattened rows",
-                    "per_group_sglang": "groups the flattened rows",
-                    "per_group_reciprocal_unflatten": "inside the FP8 quantization is also used by `sym_size"}
+                    "per_group_sglang": "groups the flattened rows"}
 
 
 def _inputs(seed: int, dtype=torch.bfloat16, tokens: int = 4):
@@ -294,11 +329,6 @@ def _clamp_from_448(x):
     return (x.float() / scale).clamp(min=448.0).to(FP8), scale
 
 
-def _one_sided_clamp(x):
-    scale = x.float().abs().amax(-1, keepdim=True) / 448.0
-    return (x.float() / scale).clamp(max=448.0).to(FP8), scale
-
-
 def _scale_on_the_wrong_axis(x):
     """Issue 29 defect 5: a [T] scale unsqueezed at 0 broadcasts across columns (T == hidden here)."""
     scale = x.float().abs().amax(-1) / 448.0
@@ -317,18 +347,19 @@ def _power_of_two_before_the_bound(x):
     return (x.float() / scale).clamp(-448.0, 448.0).to(FP8), scale
 
 
+#: What no recipe computes: the codes differ (an e4m3 value) or the scales (a scale) on some probe row.
+NO_RECIPE = "no recipe of the fused op computes this quantization"
 LEFT_OUT = {
     "e5m2": (_e5m2, "casts to torch.float8_e5m2, not float8_e4m3fn"),
-    "other_bound": (_other_bound, "clamps to [None, 240.0], not to [-448, 448]"),
-    "clamp_from_448": (_clamp_from_448, "clamps to [448.0, None], not to [-448, 448]"),
-    "one_sided_clamp": (_one_sided_clamp, "clamped on one side only"),
+    "other_bound": (_other_bound, f"{NO_RECIPE}: the closest, `per_row`, first differs on the probe row"),
+    "clamp_from_448": (_clamp_from_448, "e4m3 value"),
     "per_tensor_dynamic": (_per_tensor_dynamic, "dynamic per-tensor scaling) is not folded"),
-    "scale_on_the_wrong_axis": (_scale_on_the_wrong_axis, "is not broadcast along the last dimension"),
+    "scale_on_the_wrong_axis": (_scale_on_the_wrong_axis, "they would be read across the columns"),
     "divisor_from_the_norm": (_divisor_from_the_norm, "is computed from the norm's output"),
-    "power_of_two_before_the_bound": (_power_of_two_before_the_bound, "is not the maximum of absolute values"),
-    "other_maximum": (_other_maximum, "divides the group maximum by 240.0, not 448"),
+    "power_of_two_before_the_bound": (_power_of_two_before_the_bound, f"{NO_RECIPE}: the closest"),
+    "other_maximum": (_other_maximum, "where `div` (the float32 value read besides the e4m3 values) has"),
     "columns": (_columns, "reduces over dimensions [0], not the last one"),
-    "shared_maximum": (_shared_maximum, "inside the FP8 quantization is also used by"),
+    "shared_maximum": (_shared_maximum, "where `amax` (the float32 value read besides the e4m3 values) has"),
     "scale_from_the_norm": (_scale_from_the_norm, "dynamic per-tensor scaling) is not folded"),
 }
 
@@ -530,10 +561,11 @@ def test_report_compiled_says_whether_each_sites_quantization_was_fused():
 
     with fake_process_group() as group:
         report = report_compiled(two_sites, *_inputs(0), group.group_name)
-    assert [row.fp8 for row in report.sites] == ["fused: per_group 128, no clamp", None]
+    described = Fp8Recipe("per_group", 128, saturate=UNCLAMPED).describe()
+    assert [row.fp8 for row in report.sites] == [f"fused: {described}", None]
     assert [row.tier for row in report.sites] == ["a", "b"]
-    assert "`clamp_max` clamps to [None, 240.0], not to [-448, 448] before the FP8 cast" in report.sites[1].reason
-    assert "[FP8 quantization fused: per_group 128, no clamp]" in report.table()
+    assert f"{NO_RECIPE}: the closest, `per_row`, first differs on the probe row" in report.sites[1].reason
+    assert f"[FP8 quantization fused: {described}]" in report.table()
 
 
 class _NormThenQuantize(torch.nn.Module):

@@ -39,7 +39,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def _program(case: Fp8Case):
-    namespace = {"torch": torch, "funcol": funcol, "F": F}
+    namespace = {"torch": torch, "funcol": funcol, "F": F, "FP8_MAX": torch.finfo(torch.float8_e4m3fn).max}
     exec(compile(render(case), f"<fp8 case {case.seed}>", "exec"), namespace)  # noqa: S102 - our own generated source
     return namespace["program"]
 
@@ -141,8 +141,12 @@ def test_the_draws_cover_every_choice():
                           ("apply", {"divide", "reciprocal", "one_over"}),
                           ("clamp", {"none", "both", "min_then_max", "max_then_min", "from_448", "one_side", "240"}),
                           ("wrong_scale", {"none", "per_tensor", "columns"}), ("dynamic", {True, False}),
-                          ("scale_in_activation_dtype", {True, False}), ("min_scale", {True, False})):
+                          ("scale_in_activation_dtype", {True, False}), ("min_scale", {True, False}),
+                          ("power_spelling", {"exp2", "pow_scalar"}), ("bound_after_rounding", {True, False}),
+                          ("fp8_max", {"literal", "module_constant"}), ("clamp_spelling", {"clamp", "min_max_tensors"}),
+                          ("other_wrong", {"none", "lossy_maximum", "whole_group_pad", "zero_guard"})):
         assert {getattr(case, field) for case in cases} == values, field
+    assert any(case.fp8_max == "module_constant" and case.dynamic and case.scaling in ("group", "row") for case in cases)
     assert 0.6 < sum(case.folds for case in cases) / len(cases) < 0.9
 
 

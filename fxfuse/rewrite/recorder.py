@@ -8,7 +8,9 @@ logged (`fxfuse.rewrite.log`): a graph that keeps all-reduce sites unfused says 
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
@@ -20,9 +22,10 @@ from torch._dynamo.utils import counters
 from fxfuse.op.runtime.registration import install_native_fallback
 from fxfuse.passes import allreduce_rmsnorm_fusion, merge_allreduce, site_tiers
 from fxfuse.passes.config import PATTERNS, PassConfig
+from fxfuse.passes.fp8_recipe_search import SEARCHES
 from fxfuse.rewrite.graph_diff import snapshot
 from fxfuse.rewrite.log import log_record, log_sites
-from fxfuse.rewrite.records import CompileRecord, fused_sites_on_cuda, fusion_stats
+from fxfuse.rewrite.records import CompileRecord, PassTiming, fused_sites_on_cuda, fusion_stats
 from fxfuse.rewrite.sites import SiteDecision, site_decisions, sites_before, unfused_sites
 
 
@@ -52,16 +55,19 @@ class FusionRecorder:
         Returns what became of each all-reduce site (`fxfuse.rewrite.sites`)."""
         sites = sites_before(graph)
         before = snapshot(graph)
+        started, searches = time.perf_counter(), dataclasses.replace(SEARCHES)
         merged = merge_allreduce.run(graph, self.config)
         allreduce_rmsnorm_fusion.run(graph, self.config)
         site_tiers.run(graph, self.config)
+        timing = PassTiming(time.perf_counter() - started, SEARCHES.seconds - searches.seconds,
+                            SEARCHES.runs - searches.runs, SEARCHES.hits - searches.hits)
         after = snapshot(graph, previous=before)
         if fused_sites_on_cuda(graph):
             install_native_fallback()  # the fused op's C++ fallback, before the graph first runs
         decisions = site_decisions(graph, sites, self.config)
         log_sites(decisions)
         stats = fusion_stats(graph, before, after, merged)
-        self.add_record(CompileRecord(before, after, stats, unfused=unfused_sites(decisions)))
+        self.add_record(CompileRecord(before, after, stats, unfused=unfused_sites(decisions), timing=timing))
         return decisions
 
     def add_record(self, record: CompileRecord) -> None:

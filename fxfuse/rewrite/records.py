@@ -89,6 +89,18 @@ class UnfusedSites:
 
 
 @dataclass(frozen=True)
+class PassTiming:
+    """How long one pass run took: all passes (`seconds`), and of that the FP8 searches that ran the
+    quantizations on probe rows (`fxfuse.passes.fp8_recipe_search`): `fp8_searches` of them, while
+    `fp8_search_hits` quantizations found their structure's search already done."""
+
+    seconds: float
+    fp8_search_seconds: float = 0.0
+    fp8_searches: int = 0
+    fp8_search_hits: int = 0
+
+
+@dataclass(frozen=True)
 class CompileRecord:
     """One compiled graph: the graph before and after the passes, and its stats.
 
@@ -96,6 +108,7 @@ class CompileRecord:
     not run in this process; the record comes from the mark the pass left with the cached graph.
     `before`/`after` are None when the snapshots kept beside the cache were not found.
     `unfused`: the sites left unfused and why, None when every all-reduce site fused (or there was none).
+    `timing`: how long the passes took (None for a graph loaded from the cache).
     """
 
     before: GraphSnapshot | None
@@ -103,6 +116,7 @@ class CompileRecord:
     stats: FusionStats
     from_cache: bool = False
     unfused: UnfusedSites | None = None
+    timing: PassTiming | None = None
 
     def diff(self) -> str:
         """Readable diff of the graph before and after the passes."""
