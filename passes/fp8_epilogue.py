@@ -83,7 +83,7 @@ def output(fused: torch.fx.Node, index: int) -> torch.fx.Node | None:
 def _rewrite(graph: torch.fx.Graph, fused: torch.fx.Node, normed: torch.fx.Node, match: Fp8Match) -> None:
     """Replace `fused` by the FP8 variant; the quantization's outputs read the new op's."""
     region, found = match.region, match.fold
-    for value in (found.static_scale, found.divisor, found.clamp_bound):
+    for value in (found.static_scale, found.divisor, found.clamp_bound, found.amax_bound, found.scale_bound):
         _ready_before(value, fused)
     recipe = found.recipe
     hidden = val(normed).shape[-1]
@@ -103,7 +103,9 @@ def _rewrite(graph: torch.fx.Graph, fused: torch.fx.Node, normed: torch.fx.Node,
             for i, name, default in ((5, "weight_offset", 0.0), (6, "weight_in_fp32", False))]
     fields = recipe_arguments(recipe)
     args = (*fused.args[:5], *(fields.pop(name) for name in ("scaling", "group_size", "min_amax", "scale_dtype")),
-            found.static_scale, bool(others), *norm, found.divisor, *fields.values(), found.clamp_bound)
+            found.static_scale, bool(others), *norm, found.divisor, *(fields.pop(name) for name in (
+                "min_scale", "power_of_two", "reciprocal", "saturate", "bound_after_power_of_two")),
+            found.clamp_bound, fields.pop("bounds_from_graph"), found.amax_bound, found.scale_bound)
     new = emit_node(graph, op, args, before=fused, meta_from=fused)
     outputs = [emit_node(graph, operator.getitem, (new, i), before=fused, meta_from=fused) for i in range(4)]
     quantized, scales, residual_out, new_normed = outputs

@@ -28,7 +28,9 @@ import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from fxfuse.op.fp8_recipe import FP8_DTYPE, FP8_MAX, Fp8Limits, Fp8Recipe, dynamic_scales, group_maxima, quantize_fp8, rounded_to
+from fxfuse.op.fp8_recipe import (
+    FP8_DTYPE, FP8_MAX, GRAPH_BOUND_MARK, Fp8Limits, Fp8Recipe, dynamic_scales, group_maxima, quantize_fp8, rounded_to,
+)
 from fxfuse.passes.canonical_form import val
 from fxfuse.passes.fp8_probes import parameter_draws, probe_rows
 from fxfuse.passes.fp8_region import REDUCTIONS, NotFused, Region, numel, row_count
@@ -55,12 +57,43 @@ SEARCHES = SearchTally()
 
 @dataclass(frozen=True)
 class Fp8Fold:
-    """What the fold emits: the recipe, and which graph nodes carry its parameters."""
+    """What the fold emits: the recipe, and which graph nodes carry the values it takes with each call."""
 
     recipe: Fp8Recipe
     static_scale: torch.fx.Node | None = None
     divisor: torch.fx.Node | None = None
     clamp_bound: torch.fx.Node | None = None
+    amax_bound: torch.fx.Node | None = None
+    scale_bound: torch.fx.Node | None = None
+
+
+@dataclass(frozen=True)
+class _Roles:
+    """Which of the region's runtime values (`Region.runtime_values`, by index; the static scale: of its
+    parameters) a candidate takes for each number of the op it may be given (None: a constant)."""
+
+    static_scale: int | None = None
+    divisor: int | None = None
+    clamp_bound: int | None = None
+    amax_bound: int | None = None
+    scale_bound: int | None = None
+
+    def limits(self, run: "_Run") -> Fp8Limits:
+        """The numbers of `run` for these roles."""
+        def value(index, default):
+            return default if index is None else run.runtime[index]
+
+        return Fp8Limits(value(self.divisor, FP8_MAX), value(self.clamp_bound, FP8_MAX), value(self.amax_bound, None),
+                         value(self.scale_bound, None))
+
+    def describe(self, run: "_Run") -> list[str]:
+        """The values these roles take in `run`, in words."""
+        words = [] if self.static_scale is None else [f"a static scale {run.parameters[self.static_scale]!r}"]
+        for name, index in (("the divisor", self.divisor), ("the clamp bound", self.clamp_bound),
+                            ("the maximum's bound", self.amax_bound), ("the scale's bound", self.scale_bound)):
+            if index is not None:
+                words.append(f"{name} {run.runtime[index]!r} from the graph")
+        return words
 
 
 @dataclass
@@ -73,6 +106,7 @@ class _Run:
     parameters: tuple
     codes: torch.Tensor
     scales: torch.Tensor | None
+    runtime: tuple = ()  # the values of the region's runtime values in this run
     _maxima: dict = field(default_factory=dict)
 
     @property
@@ -110,21 +144,26 @@ def find_fold(region: Region) -> Fp8Fold:
     if found[0] == "refuse":
         raise NotFused(found[1])
     _, recipe, roles = found
-    parameters = region.parameters()
-    return Fp8Fold(recipe, *(None if index is None else parameters[index] for index in roles))
+    runtime = region.runtime_values
+
+    def node(index, nodes):
+        return None if index is None else nodes[index]
+
+    return Fp8Fold(recipe, node(roles.static_scale, region.parameters()), node(roles.divisor, runtime),
+                   node(roles.clamp_bound, runtime), node(roles.amax_bound, runtime), node(roles.scale_bound, runtime))
 
 
 # ---------------------------------------------------------------- running the code
 
 
-def _search(region: Region) -> tuple[Fp8Recipe, tuple]:
+def _search(region: Region) -> tuple[Fp8Recipe, _Roles]:
     """The first candidate equal to the code on every run at every size; NotFused with the closest's difference."""
     environments = [_runs(region, env) for env in _environments(region)]
     best = _Closest()
-    for base, divisor in _scale_candidates(region, environments[0]):
-        if base.dynamic and not all(_scales_agree(region, base, divisor, runs, best) for runs in environments):
+    for base, scale_roles in _scale_candidates(region, environments[0]):
+        if base.dynamic and not all(_scales_agree(region, base, scale_roles, runs, best) for runs in environments):
             continue
-        for recipe, roles in _code_variants(region, base, divisor):
+        for recipe, roles in _code_variants(region, base, scale_roles):
             if all(_codes_agree(recipe, roles, runs, best) for runs in environments):
                 _check_scale_count(region, recipe)
                 return recipe, roles
@@ -149,7 +188,8 @@ def _runs(region: Region, env: dict) -> list[_Run]:
             rows = probes[picked].view(*leading, hidden)
             values = _execute(region, rows, env, parameters)
             codes, scales = values[region.codes], values[region.scales] if region.scales is not None else None
-            runs.append(_Run(env, rows, [labels[i] for i in picked], parameters, codes, scales))
+            runtime = tuple(float(values[node]) for node in region.runtime_values)
+            runs.append(_Run(env, rows, [labels[i] for i in picked], parameters, codes, scales, runtime))
     return runs
 
 
@@ -275,47 +315,48 @@ def _positive_constants(region: Region) -> list[float]:
     return sorted({n for n in numbers if n > 0 and math.isfinite(n)})
 
 
-def _runtime_parameters(region: Region) -> list[int]:
-    """Indices of the parameters that may be a divisor or clamp bound: one value in a 0-dim CPU tensor
-    (a Python float dynamo made a graph input; the op reads it when it runs)."""
-    return [i for i, p in enumerate(region.parameters()) if val(p).dim() == 0 and val(p).device.type == "cpu"]
-
-
 def _scale_candidates(region: Region, runs: list[_Run]):
-    """(recipe without the code's fields, divisor role) in the order of preference: the static scalings'
-    bases first (their scale is a parameter), then the dynamic ones from the plainest up."""
+    """(recipe without the code's fields, its roles) in the order of preference: the static scalings' bases
+    first (their scale is a parameter), then the dynamic ones from the plainest up, a constant before a
+    value of the graph."""
     normed = val(region.normed)
     for index, parameter in enumerate(region.parameters()):
         if val(parameter).dtype == torch.float32 and val(parameter).device == normed.device:
-            yield Fp8Recipe("static_mul"), index
-            yield Fp8Recipe("static_div"), index
+            yield Fp8Recipe("static_mul"), _Roles(static_scale=index)
+            yield Fp8Recipe("static_div"), _Roles(static_scale=index)
     hidden = runs[0].normed.shape[-1]
     constants = _positive_constants(region)
     sixteen_bit = sorted({val(n).dtype for n in region.data if val(n) is not None and val(n).dtype in (torch.bfloat16, torch.float16)},
                          key=str)
     observed = [run.scales for run in runs if run.scales is not None]
     scale_dtypes = [torch.float32] + [d for d in sixteen_bit if all(_representable(s, d) for s in observed)]
-    bounds = {rounded_to(c, d) for c in constants for d in scale_dtypes}
+    graph_values = {value for run in runs for value in run.runtime}
+    bounds = {rounded_to(c, d) for c in (*constants, *graph_values) if c > 0 and math.isfinite(c) for d in scale_dtypes}
     rounded = not observed or all(_powers_of_two_or_bounds(s, bounds) for s in observed)
     roundings = ["none", "ceil", "floor", "nearest"] if rounded else ["none"]
     groupings = [("per_row", 0)] + [("per_group", g) for g in _group_sizes_of(runs, region) if g & (g - 1) == 0 and g < hidden]
-    bounds_on_maximum = sorted({0.0, *(rounded_to(c, d) for c in constants for d in (torch.float32, *sixteen_bit))})
-    for (scaling, group), min_amax, scale_dtype, divisor in itertools.product(
-            groupings, bounds_on_maximum, scale_dtypes, [None, *_runtime_parameters(region)]):
-        for min_scale, rounding in itertools.product(sorted({0.0, *(rounded_to(c, scale_dtype) for c in constants)}), roundings):
+    runtime = list(range(len(region.runtime_values)))
+    amax_bounds = [(c, None) for c in sorted({0.0, *(rounded_to(c, d) for c in constants for d in (torch.float32, *sixteen_bit))})]
+    amax_bounds += [(GRAPH_BOUND_MARK, index) for index in runtime]
+    for (scaling, group), (min_amax, amax_role), scale_dtype, divisor in itertools.product(
+            groupings, amax_bounds, scale_dtypes, [None, *runtime]):
+        scale_bounds = [(c, None) for c in sorted({0.0, *(rounded_to(c, scale_dtype) for c in constants)})]
+        scale_bounds += [(GRAPH_BOUND_MARK, index) for index in runtime]
+        for (min_scale, scale_role), rounding in itertools.product(scale_bounds, roundings):
+            graph = ",".join(name for name, role in (("min_amax", amax_role), ("min_scale", scale_role)) if role is not None)
             for bound_after in ([False, True] if min_scale and rounding != "none" else [False]):
-                yield Fp8Recipe(scaling, group, min_amax, scale_dtype, min_scale, rounding,
-                                bound_after_power_of_two=bound_after), divisor
+                yield (Fp8Recipe(scaling, group, min_amax, scale_dtype, min_scale, rounding, bound_after_power_of_two=bound_after,
+                                 bounds_from_graph=graph),
+                       _Roles(divisor=divisor, amax_bound=amax_role, scale_bound=scale_role))
 
 
-def _code_variants(region: Region, base: Fp8Recipe, scale_role):
-    """(recipe, (static scale, divisor, clamp bound) roles) of `base` with each choice of the code's fields:
-    division before the reciprocal's multiply, clamped (to 448, then to a runtime bound) before unclamped."""
-    clamps = [(True, None)] + [(True, i) for i in _runtime_parameters(region)] + [(False, None)]
-    static, divisor = (scale_role, None) if not base.dynamic else (None, scale_role)
+def _code_variants(region: Region, base: Fp8Recipe, roles: _Roles):
+    """(recipe, roles) of `base` with each choice of the code's fields: division before the reciprocal's
+    multiply, clamped (to 448, then to a value of the graph) before unclamped."""
+    clamps = [(True, None)] + [(True, i) for i in range(len(region.runtime_values))] + [(False, None)]
     for reciprocal in ((False, True) if base.dynamic else (False,)):
         for saturate, clamp in clamps:
-            yield replace(base, reciprocal=reciprocal, saturate=saturate), (static, divisor, clamp)
+            yield replace(base, reciprocal=reciprocal, saturate=saturate), replace(roles, clamp_bound=clamp)
 
 
 def _group_sizes_of(runs: list[_Run], region: Region) -> list[int]:
@@ -365,31 +406,26 @@ class _Closest:
         return f"no recipe of the fused op computes this quantization: {self.detail}"
 
 
-def _scales_agree(region: Region, recipe: Fp8Recipe, divisor_role, runs: list[_Run], best: "_Closest") -> bool:
+def _scales_agree(region: Region, recipe: Fp8Recipe, roles: _Roles, runs: list[_Run], best: "_Closest") -> bool:
     """Whether the dynamic `recipe`'s scales equal every run's (a run without a scales output agrees)."""
     for number, run in enumerate(runs):
         if run.scales is None:
             continue
-        divisor = FP8_MAX if divisor_role is None else run.parameters[divisor_role]
-        expected = dynamic_scales(run.maxima(recipe), recipe, divisor)
+        expected = dynamic_scales(run.maxima(recipe), recipe, roles.limits(run))
         where = _difference(run.scales, expected, run.rows)
         if where is not None and where[0] == -1:
             best.note_shape(str(list(run.scales.shape)), str(list(expected.shape)), recipe)
         if where is not None:
-            best.note((1, number, where[0]), lambda: _describe(recipe, (None, divisor_role, None), run, "scale", where,
-                                                               region.scales))
+            best.note((1, number, where[0]), lambda: _describe(recipe, roles, run, "scale", where, region.scales))
             return False
     return True
 
 
-def _codes_agree(recipe: Fp8Recipe, roles: tuple, runs: list[_Run], best: "_Closest") -> bool:
+def _codes_agree(recipe: Fp8Recipe, roles: _Roles, runs: list[_Run], best: "_Closest") -> bool:
     """Whether `recipe` with `roles` gives every run's codes."""
-    static_role, divisor_role, clamp_role = roles
     for number, run in enumerate(runs):
-        static = None if static_role is None else torch.tensor(run.parameters[static_role], dtype=torch.float32)
-        limits = Fp8Limits(FP8_MAX if divisor_role is None else run.parameters[divisor_role],
-                           FP8_MAX if clamp_role is None else run.parameters[clamp_role])
-        codes, _ = quantize_fp8(run.normed, recipe, static, limits)
+        static = None if roles.static_scale is None else torch.tensor(run.parameters[roles.static_scale], dtype=torch.float32)
+        codes, _ = quantize_fp8(run.normed, recipe, static, roles.limits(run))
         where = _difference(run.codes, codes, run.rows)
         if where is not None:
             best.note((2, number, where[0]), lambda: _describe(recipe, roles, run, "e4m3 value", where))
@@ -424,10 +460,9 @@ def _show(value: torch.Tensor) -> str:
     return repr(float(value))
 
 
-def _describe(recipe: Fp8Recipe, roles: tuple, run: _Run, what: str, where: tuple, node: torch.fx.Node | None = None) -> str:
+def _describe(recipe: Fp8Recipe, roles: _Roles, run: _Run, what: str, where: tuple, node: torch.fx.Node | None = None) -> str:
     """The closest recipe and where it first differs from the code, in words."""
-    names = ("a static scale", "the divisor", "the clamp bound")
-    bound = [f"{name} {run.parameters[i]!r}" for name, i in zip(names, roles) if i is not None]
+    bound = roles.describe(run)
     closest = f"the closest, `{recipe.describe()}`" + (f" with {', '.join(bound)}" if bound else "")
     graphs = f"`{node.name}` (the float32 value read besides the e4m3 values)" if node is not None else "the graph"
     if where[0] == -1:

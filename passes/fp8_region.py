@@ -85,6 +85,7 @@ class Region:
     leaves: dict[str, list[torch.fx.Node]]  # "size", "constant", "parameter"
     private: set[torch.fx.Node] = field(default_factory=set)  # erased by the fold, once unread
     literals: list[float] = field(default_factory=list)  # the numbers the program's ops are given
+    runtime_values: list[torch.fx.Node] = field(default_factory=list)  # one-value CPU tensors the computed values read
 
     def parameters(self) -> list[torch.fx.Node]:
         """The region's parameters, in graph order."""
@@ -134,7 +135,16 @@ def quantization_region(fused: torch.fx.Node, normed: torch.fx.Node) -> Region:
     region.private |= {dead for node in data for user in node.users if user not in data and _dead(user)
                        for dead in _with_users(user)}  # erased with the nodes they read
     region.literals = _literals(program)
+    region.runtime_values = [node for node in [*program, *leaves["parameter"]] if node not in data and _cpu_scalar(node)
+                             and any(user in data for user in node.users)]
     return region
+
+
+def _cpu_scalar(node: torch.fx.Node) -> bool:
+    """A 0-dim floating CPU tensor: a number the op can read when it runs (a lifted Python float, or one
+    computed from such)."""
+    value = val(node)
+    return value is not None and value.dim() == 0 and value.device.type == "cpu" and value.is_floating_point()
 
 
 def _with_users(node: torch.fx.Node) -> set[torch.fx.Node]:

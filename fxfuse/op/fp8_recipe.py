@@ -26,9 +26,10 @@ unfused code's rounding depends on. With `x` the normed output upcast to float32
 Then the values are clamped to +-448 when `saturate` (the code's clamp), else cast as torch casts them:
 from torch 2.13 on its cast saturates to +-448 too, before it |v| > 464 becomes NaN ([448, 464] rounds
 to 448 in both); `cast_saturates()` says which the installed torch does. The divisor of step 3 and the
-clamp's bound are 448 unless the graph passes them in when it runs (`Fp8Limits`: under
-`torch.compile(dynamic=True)` dynamo makes a module constant such as `torch.finfo(float8_e4m3fn).max` a
-graph input). `quantize_fp8` is the arithmetic every kernel reproduces (NaN where the unfused code has
+clamp's bound are 448 unless the graph passes them in when it runs, and so may the bounds of steps 2
+and 4 be (`bounds_from_graph`; `Fp8Limits` carries the values: under `torch.compile(dynamic=True)`
+dynamo makes a module constant such as `torch.finfo(float8_e4m3fn).max` a graph input, and torch 2.15
+computes `1 / (512 * FP8_MAX)` in the graph). `quantize_fp8` is the arithmetic every kernel reproduces (NaN where the unfused code has
 NaN); on CPU it is the unfused torch code's, bit for bit.
 """
 
@@ -60,6 +61,7 @@ class Fp8Recipe:
     reciprocal: bool = False
     saturate: bool = True
     bound_after_power_of_two: bool = False
+    bounds_from_graph: str = ""
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
@@ -71,6 +73,10 @@ class Fp8Recipe:
                              f"{', '.join(POWER_OF_TWO_ROUNDINGS)}")
         if not self.dynamic and (self.min_amax or self.min_scale or self.power_of_two != "none" or self.reciprocal):
             raise ValueError(f"{self.scaling} FP8 scaling takes no scale arithmetic (bounds, power of two, reciprocal)")
+        for name in filter(None, self.bounds_from_graph.split(",")):
+            if name not in GRAPH_BOUNDS or getattr(self, name) != GRAPH_BOUND_MARK:
+                raise ValueError(f"bounds_from_graph {self.bounds_from_graph!r}: each of {', '.join(GRAPH_BOUNDS)} it names "
+                                 f"must be {GRAPH_BOUND_MARK} in the recipe (its value comes with the call)")
         if self.bound_after_power_of_two and not (self.min_scale and self.power_of_two != "none"):
             raise ValueError("bound_after_power_of_two orders a lower bound on the scale after its power-of-two rounding: "
                              "the recipe needs both")
@@ -99,11 +105,13 @@ class Fp8Recipe:
     def describe(self) -> str:
         """The recipe in a few words, for reports: e.g. `per_group 128, scale >= 4.36e-06, power of two (ceil)`."""
         words = [self.scaling + (f" {self.group_size}" if self.scaling == "per_group" else "")]
+        graph = self.bounds_from_graph.split(",")
         if self.min_amax:
-            words.append(f"max >= {self.min_amax:.3g}")
+            words.append("max >= a value of the graph" if "min_amax" in graph else f"max >= {self.min_amax:.3g}")
         if self.dynamic and self.scale_dtype != torch.float32:
             words.append(f"scale in {str(self.scale_dtype).removeprefix('torch.')}")
-        bound = [f"scale >= {self.min_scale:.3g}"] if self.min_scale else []
+        bound = [("scale >= a value of the graph" if "min_scale" in graph else f"scale >= {self.min_scale:.3g}")] \
+            if self.min_scale else []
         rounding = [f"power-of-two scale ({self.power_of_two})"] if self.power_of_two != "none" else []
         words += rounding + bound if self.bound_after_power_of_two else bound + rounding
         if self.reciprocal:
@@ -135,14 +143,29 @@ def scale_shape(normed_shape: torch.Size, recipe: Fp8Recipe) -> list:
     return [*normed_shape[:-1], recipe.groups(normed_shape[-1])] if recipe.dynamic else [0]
 
 
+#: Recipe fields whose value a call may bring (`Fp8Recipe.bounds_from_graph`), and what such a field holds.
+GRAPH_BOUNDS = ("min_amax", "min_scale")
+GRAPH_BOUND_MARK = 1.0
+
+
 @dataclass(frozen=True)
 class Fp8Limits:
-    """The two constants of a quantization the graph may pass in when it runs: the divisor of the group
-    maximum (step 3) and the bound of the values' clamp (+-`clamp`), both 448 in every spelling seen;
-    each a 0-dim CPU tensor of the graph where dynamo lifted the Python float to a graph input."""
+    """The numbers of a quantization the graph may pass in when it runs: the divisor of the group maximum
+    (step 3) and the bound of the values' clamp (+-`clamp`), both 448 in every spelling seen; and the lower
+    bounds on the maximum and the scale where the recipe takes them from the graph (`bounds_from_graph`;
+    None: the recipe's own). Each is a 0-dim CPU tensor of the graph where dynamo lifted a Python float to
+    a graph input (or computed one from such an input: `1 / (512 * FP8_MAX)`)."""
 
     divisor: float = 448.0
     clamp: float = 448.0
+    min_amax: float | None = None
+    min_scale: float | None = None
+
+    def bounds(self, recipe: "Fp8Recipe") -> tuple[float, float]:
+        """(the lower bound on the maximum, the lower bound on the scale) a call of `recipe` uses."""
+        graph = recipe.bounds_from_graph.split(",")
+        return (self.min_amax if "min_amax" in graph else recipe.min_amax,
+                self.min_scale if "min_scale" in graph else recipe.min_scale)
 
 
 @functools.cache
@@ -161,18 +184,19 @@ def rounded_to(value: float, dtype: torch.dtype) -> float:
 _POWER_OF_TWO_EXPONENT = {"ceil": torch.ceil, "floor": torch.floor, "nearest": torch.round}
 
 
-def dynamic_scales(amax: torch.Tensor, recipe: Fp8Recipe, divisor: float = FP8_MAX) -> torch.Tensor:
+def dynamic_scales(amax: torch.Tensor, recipe: Fp8Recipe, limits: Fp8Limits = Fp8Limits()) -> torch.Tensor:
     """Steps 2-5 of the module docstring: float32 scales from the group maxima `amax` (any float dtype)."""
+    min_amax, min_scale = limits.bounds(recipe)
     amax = amax.float()
     if recipe.min_amax:
-        amax = amax.clamp_min(recipe.min_amax)
-    scale = amax.to(recipe.scale_dtype) / divisor
+        amax = amax.clamp_min(min_amax)
+    scale = amax.to(recipe.scale_dtype) / limits.divisor
     if recipe.min_scale and not recipe.bound_after_power_of_two:
-        scale = scale.clamp_min(recipe.min_scale)
+        scale = scale.clamp_min(min_scale)
     if recipe.power_of_two != "none":
         scale = torch.exp2(_POWER_OF_TWO_EXPONENT[recipe.power_of_two](torch.log2(scale)))
     if recipe.bound_after_power_of_two:
-        scale = scale.clamp_min(recipe.min_scale)
+        scale = scale.clamp_min(min_scale)
     return scale.float()
 
 
@@ -185,7 +209,7 @@ def quantize_fp8(normed: torch.Tensor, recipe: Fp8Recipe, static_scale: torch.Te
         scaled = x * static_scale if recipe.scaling == "static_mul" else x / static_scale
         return _to_fp8(scaled, recipe, limits.clamp), x.new_empty(0)
     grouped, maxima = group_maxima(normed, recipe)
-    scale = dynamic_scales(maxima, recipe, limits.divisor)
+    scale = dynamic_scales(maxima, recipe, limits)
     divided = grouped * scale.reciprocal().unsqueeze(-1) if recipe.reciprocal else grouped / scale.unsqueeze(-1)
     quantized = _to_fp8(divided, recipe, limits.clamp)
     hidden = normed.shape[-1]

@@ -4,17 +4,19 @@
 str scaling, int group_size, float min_amax, ScalarType scale_dtype, Tensor? static_scale,
 bool return_normed, float weight_offset=0., bool weight_in_fp32=False, Tensor? scale_divisor=None,
 float min_scale=0., str power_of_two="none", bool reciprocal=False, bool saturate=True,
-bool bound_after_power_of_two=False, Tensor? clamp_bound=None)
+bool bound_after_power_of_two=False, Tensor? clamp_bound=None, str bounds_from_graph="",
+Tensor? amax_bound=None, Tensor? scale_bound=None)
 -> (Tensor quantized, Tensor scales, Tensor residual_out, Tensor normed)`
 
 is `allreduce_residual_rmsnorm` (same first five arguments, same `residual_out`, same `normed`
 arithmetic) followed by the FP8 e4m3 quantization of `normed` that `fxfuse.op.fp8_recipe.Fp8Recipe(
 scaling, group_size, min_amax, scale_dtype, min_scale, power_of_two, reciprocal, saturate,
-bound_after_power_of_two)` describes: `quantized` has x's shape, `scales` is
+bound_after_power_of_two, bounds_from_graph)` describes: `quantized` has x's shape, `scales` is
 float32 `[..., groups]` for the dynamic scalings (empty for static ones, whose `static_scale` the
 caller already holds); a dynamic scale is the group maximum over `scale_divisor`, and a saturating
 recipe clamps to +-`clamp_bound` (each 448 when None; a 0-dim CPU tensor where `torch.compile(dynamic=True)`
-made the constant a graph input: `fp8_limits`). `normed` itself is returned only when `return_normed` (something else reads
+made the constant a graph input: `fp8_limits`); the bounds that `bounds_from_graph` names are the values
+of `amax_bound` and `scale_bound`, 0-dim CPU tensors of the graph. `normed` itself is returned only when `return_normed` (something else reads
 the bf16 activations); otherwise it is an empty tensor, never written. The fusion pass
 (`fxfuse.passes.fp8_epilogue`) emits it where a quantization reads the norm's output, so that the
 all-reduce, the add, the norm and the quantization run as one op (one kernel after the all-reduce).
@@ -39,7 +41,8 @@ FP8_OP_NAME = "fxfuse::allreduce_residual_rmsnorm_fp8"
 _RESULTS = "(Tensor quantized, Tensor scales, Tensor residual_out, Tensor normed)"
 _QUANT_ARGUMENTS = ("str scaling, int group_size, float min_amax, ScalarType scale_dtype, Tensor? static_scale, bool return_normed, "
                     f"{NORM_ARGUMENTS}, Tensor? scale_divisor=None, float min_scale=0., str power_of_two=\"none\", bool reciprocal=False, "
-                    "bool saturate=True, bool bound_after_power_of_two=False, Tensor? clamp_bound=None")
+                    "bool saturate=True, bool bound_after_power_of_two=False, Tensor? clamp_bound=None, str bounds_from_graph=\"\", "
+                    "Tensor? amax_bound=None, Tensor? scale_bound=None")
 #: Overload name -> its arguments' schema.
 FP8_OVERLOADS = {
     "default": f"(Tensor x, Tensor? residual, Tensor weight, float eps, str group_name, {_QUANT_ARGUMENTS})",
@@ -84,27 +87,31 @@ def recipe_of(node_args: tuple, node_kwargs: dict) -> Fp8Recipe:
 
 
 def recipe_from_arguments(scaling, group_size, min_amax, scale_dtype, min_scale, power_of_two, reciprocal, saturate,
-                          bound_after_power_of_two) -> Fp8Recipe:
+                          bound_after_power_of_two, bounds_from_graph) -> Fp8Recipe:
     """The recipe the op's recipe arguments describe (as its kernels receive them)."""
     return Fp8Recipe(scaling, group_size, min_amax, scale_dtype, min_scale, power_of_two, reciprocal, saturate,
-                     bound_after_power_of_two)
+                     bound_after_power_of_two, bounds_from_graph)
 
 
-def fp8_limits(scale_divisor: torch.Tensor | None, clamp_bound: torch.Tensor | None) -> Fp8Limits:
-    """The divisor and clamp bound a call quantizes with: 448 each, or the value of the 0-dim CPU tensor
-    the graph passes in."""
-    return Fp8Limits(FP8_MAX if scale_divisor is None else float(scale_divisor),
-                     FP8_MAX if clamp_bound is None else float(clamp_bound))
+def fp8_limits(scale_divisor: torch.Tensor | None, clamp_bound: torch.Tensor | None, amax_bound: torch.Tensor | None = None,
+               scale_bound: torch.Tensor | None = None) -> Fp8Limits:
+    """The numbers a call quantizes with: the divisor and clamp bound (448 each, or the value of the 0-dim
+    CPU tensor the graph passes in), and the graph's bounds on the maximum and the scale, if given."""
+    def value(tensor, default):
+        return default if tensor is None else float(tensor)
+
+    return Fp8Limits(value(scale_divisor, FP8_MAX), value(clamp_bound, FP8_MAX), value(amax_bound, None),
+                     value(scale_bound, None))
 
 
 def _fake_fp8_kernel(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale,
                      return_normed, weight_offset=0.0, weight_in_fp32=False, scale_divisor=None, min_scale=0.0,
                      power_of_two="none", reciprocal=False, saturate=True, bound_after_power_of_two=False,
-                     clamp_bound=None):
+                     clamp_bound=None, bounds_from_graph="", amax_bound=None, scale_bound=None):
     """Shapes only (works with SymInts); the arguments are checked as the real kernels check them."""
     check_arguments(x, residual, weight, weight_in_fp32)
     recipe = recipe_from_arguments(scaling, group_size, min_amax, scale_dtype, min_scale, power_of_two, reciprocal, saturate,
-                                   bound_after_power_of_two)
+                                   bound_after_power_of_two, bounds_from_graph)
     check_fp8_arguments(x.shape, recipe, static_scale, x.device)
     contiguous = torch.contiguous_format
     return (torch.empty_like(x, dtype=FP8_DTYPE, memory_format=contiguous),

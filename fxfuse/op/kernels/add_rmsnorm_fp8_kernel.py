@@ -89,8 +89,9 @@ def _launch(normalize: bool, source, residual, weight, eps, recipe: Fp8Recipe, s
     has_residual, store_normed = residual is not None, normed is not None
     pointers = (source, residual if has_residual else source, weight, residual_out, normed if store_normed else source,
                 quantized, scales if scales.numel() else quantized, static_scale if static_scale is not None else scales)
-    args = (*pointers, hidden, max(1, recipe.groups(hidden)), float(eps), float(recipe.min_amax), float(limits.divisor),
-            rounded_to(recipe.min_scale, recipe.scale_dtype), float(limits.clamp))
+    min_amax, min_scale = limits.bounds(recipe)
+    args = (*pointers, hidden, max(1, recipe.groups(hidden)), float(eps), float(min_amax), float(limits.divisor),
+            rounded_to(float(min_scale), recipe.scale_dtype), float(limits.clamp))
     if recipe.scaling == "per_group":
         rows, cols = next_power_of_2(-(-hidden // recipe.group_size)), recipe.group_size
     else:

@@ -146,20 +146,22 @@ def _register_fp8(overload: str) -> None:
 
     def cpu(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale, return_normed,
             weight_offset=0.0, weight_in_fp32=False, scale_divisor=None, min_scale=0.0, power_of_two="none",
-            reciprocal=False, saturate=True, bound_after_power_of_two=False, clamp_bound=None):
+            reciprocal=False, saturate=True, bound_after_power_of_two=False, clamp_bound=None, bounds_from_graph="",
+            amax_bound=None, scale_bound=None):
         recipe = recipe_from_arguments(scaling, group_size, min_amax, scale_dtype, min_scale, power_of_two, reciprocal, saturate,
-                                       bound_after_power_of_two)
+                                       bound_after_power_of_two, bounds_from_graph)
         return _cpu_fp8_kernel(x, residual, weight, eps, group_name, recipe, static_scale, return_normed, weight_offset,
-                               weight_in_fp32, fp8_limits(scale_divisor, clamp_bound), donated)
+                               weight_in_fp32, fp8_limits(scale_divisor, clamp_bound, amax_bound, scale_bound), donated)
 
     def cuda(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale, return_normed,
              weight_offset=0.0, weight_in_fp32=False, scale_divisor=None, min_scale=0.0, power_of_two="none",
-             reciprocal=False, saturate=True, bound_after_power_of_two=False, clamp_bound=None):
+             reciprocal=False, saturate=True, bound_after_power_of_two=False, clamp_bound=None, bounds_from_graph="",
+            amax_bound=None, scale_bound=None):
         recipe = recipe_from_arguments(scaling, group_size, min_amax, scale_dtype, min_scale, power_of_two, reciprocal, saturate,
-                                       bound_after_power_of_two)
+                                       bound_after_power_of_two, bounds_from_graph)
         return _cuda_dispatch().allreduce_residual_rmsnorm_fp8_cuda(
             x, residual, weight, float(eps), group_name, recipe, static_scale, return_normed, donated, weight_offset,
-            weight_in_fp32, fp8_limits(scale_divisor, clamp_bound))
+            weight_in_fp32, fp8_limits(scale_divisor, clamp_bound, amax_bound, scale_bound))
 
     cpu.__doc__ = f"CPU reference kernel of `{FP8_OP_NAME}.{overload}`."
     cuda.__doc__ = f"CUDA kernel of `{FP8_OP_NAME}.{overload}`."
