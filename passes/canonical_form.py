@@ -20,7 +20,8 @@ into one form; the traced patterns then match that form only. Every rewrite keep
   add with `alpha` (`a + alpha * b`) keeps its operands' order.
 - The RMSNorm arithmetic that reads a chain value `h` (or a cast of it): `c * c` becomes
   `pow(c, 2)`; `h * rsqrt(...)` with `c = h.to(float32)` (type promotion upcasts `h` exactly)
-  becomes `c * rsqrt(...)`; a mean over the last dimension named by its index becomes `mean(..., [-1])`;
+  becomes `c * rsqrt(...)`; a mean over the last dimension named by its index becomes `mean(..., [-1])`,
+  and one with `dtype=` its input's own dtype loses that argument;
   `eps + mean` and `add.Scalar(mean, eps)` become `mean + eps` (`add.Tensor`); repeated casts of `h` to one dtype become one; `rsqrt(v) * c`
   becomes `c * rsqrt(v)`; `weight * normed` becomes `normed * weight` (before or after the cast
   back). All of these are exact in floating point.
@@ -516,10 +517,14 @@ class _Rewriter:
                     self._canonicalize_inverse_rms(add_eps, computed)
 
     def _canonicalize_mean(self, mean: torch.fx.Node) -> None:
-        """`mean(t, [d], keepdim)` with d the index of the last dimension -> `mean(t, [-1], keepdim)`."""
+        """`mean(t, [d], keepdim)` with d the index of the last dimension -> `mean(t, [-1], keepdim)`; a
+        `dtype=` that is t's own dtype is dropped (the same mean: torch 2.15's patterns do not match it)."""
         dims, value = list(mean.args[1]), val(mean.args[0])
         if value is not None and len(dims) == 1 and dims != [-1] and dims[0] == value.dim() - 1:
             mean.args = (mean.args[0], [-1], *mean.args[2:])
+            self.changes += 1
+        if value is not None and mean.kwargs.get("dtype") == value.dtype:
+            mean.kwargs = {name: arg for name, arg in mean.kwargs.items() if name != "dtype"}
             self.changes += 1
 
     def _canonicalize_inverse_rms(self, add_eps: torch.fx.Node, computed: torch.fx.Node) -> None:

@@ -2,10 +2,13 @@
 fake tensors with a fake process group; and the golden graph diff of the tiny model at tp=2.
 
 Golden file: tests/golden/tiny_tp2.diff is `render_diff` of the tiny preset's post-grad graph (4 layers,
-tp=2, bfloat16, dynamic shapes) before and after the fxfuse passes, compared exactly. Node and size
-symbol names in it are normalized by fxfuse.rewrite.graph_diff (the file is the same on torch 2.11 and 2.13),
-but the ops themselves come from torch's decompositions and can change with the torch version. After
-checking that a difference is expected, regenerate it with:
+tp=2, bfloat16, dynamic shapes) before and after the fxfuse passes. What the passes changed is compared
+exactly: the op counts and every removed and added line; the context around them (unchanged lines, and
+where the hunks start) is not, since it is the rest of the model as torch traces it (torch 2.15 traces
+the rotary embedding with one node fewer than 2.13, which moves every hunk by a line and renames a `sub`).
+Node and size symbol names are normalized by fxfuse.rewrite.graph_diff, but the ops themselves come from
+torch's decompositions and can change with the torch version. After checking that a difference is
+expected, regenerate it with:
 
     FXFUSE_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_report.py -k golden
 """
@@ -68,7 +71,12 @@ def test_golden_diff(tiny_trace):
     if os.environ.get("FXFUSE_UPDATE_GOLDEN") == "1":
         GOLDEN.parent.mkdir(exist_ok=True)
         GOLDEN.write_text(diff)
-    assert diff == GOLDEN.read_text()
+    assert _changes(diff) == _changes(GOLDEN.read_text())
+
+
+def _changes(diff: str) -> list[str]:
+    """The op count table and the removed and added lines of a diff, hunk by hunk (context left out)."""
+    return [("@@" if line.startswith("@@") else line) for line in diff.splitlines() if not line.startswith(" ")]
 
 
 @pytest.mark.slow

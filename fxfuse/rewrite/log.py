@@ -12,7 +12,7 @@
 The messages come from the `fxfuse.rewrite.log` logger, a child of `fxfuse`. torch reads TORCH_LOGS
 when it is imported, before fxfuse can register anything, and takes a name it has not registered
 for a module: `TORCH_LOGS=fxfuse` sets the `fxfuse` loggers' level and gives them torch's handler
-on every torch from 2.11 to 2.14. Importing this module also registers `fxfuse` as a log of torch's
+on every torch from 2.11 to 2.15. Importing this module also registers `fxfuse` as a log of torch's
 (`torch._logging._internal.register_log`, skipped where a torch lacks it), so that it is handled
 like torch's own components whenever torch sets its logging up again (`torch._logging.set_logs`).
 Without either, the warning goes to the root logger, as any library's would.

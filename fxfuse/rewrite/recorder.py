@@ -27,6 +27,7 @@ from fxfuse.rewrite.graph_diff import snapshot
 from fxfuse.rewrite.log import log_record, log_sites
 from fxfuse.rewrite.records import CompileRecord, PassTiming, fused_sites_on_cuda, fusion_stats
 from fxfuse.rewrite.sites import SiteDecision, site_decisions, sites_before, unfused_sites
+from fxfuse.torch_support import warn_if_untested
 
 
 class FusionRecorder:
@@ -45,6 +46,7 @@ class FusionRecorder:
         dump_dir: str | os.PathLike | None = None,
         fuse_without_fast_kernel: bool = False,
     ) -> None:
+        warn_if_untested()
         self.config = PassConfig(frozenset(patterns), fuse_without_fast_kernel)
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
         self.records: list[CompileRecord] = []
