@@ -261,6 +261,9 @@ def _add_report_parser(commands) -> None:
     p.add_argument("--tp", type=at_least(1), default=2, help="tensor parallel size to trace for (default 2)")
     add_dtype_option(p, DTYPE_CHOICES, "bfloat16", f"weights and activations (default bfloat16, as on GPUs: {BF16_WHY}; "
                      "`fxfuse run` on CPU uses float32)")
+    p.add_argument("--weights", type=spelled(WEIGHT_SPELLINGS), choices=("bf16", "fp8"), default="bf16",
+                   help="weight format traced: bf16 (default) or fp8 (FP8 blocks; with FXFUSE_FP8_GEMM=w8a8 each GEMM "
+                        "quantizes its input, and the report shows which quantizations fold into the fused op)")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH (default: none)")
 
 
@@ -281,8 +284,11 @@ def _report_command(args) -> int:
 
     progress = Progress(True, "fxfuse report")
     tracing = f"tracing {name} ({config.num_hidden_layers} layers, tp={args.tp}) on fake tensors: dynamo, AOT autograd, fxfuse passes"
+    from fxfuse.runner.quant_setup import bench_scheme
+
+    quant = None if args.weights == "bf16" else bench_scheme(args.weights)
     with progress.phase(tracing, heartbeat_s=15):
-        report = report_model(config, args.tp, name=name, dtype=getattr(torch, args.dtype),
+        report = report_model(config, args.tp, name=name, dtype=getattr(torch, args.dtype), quant=quant,
                               on_build=lambda model: watch_layers(progress, model.model.layers, "dynamo traced layer"))
     print(report.table())
     if args.json is not None:

@@ -15,7 +15,11 @@ Without the `fast_allreduce` pattern there is no tier (b): such sites stay fused
 
 A site moved to tier (b) gets the add and norm back as `fxfuse.op.reference.add_rmsnorm` computes them
 (the arithmetic the fused op reproduces, which is the canonical form of the graph's own,
-`canonical_form`), so its values are those of the unfused code, and with the `original_aten` of the nodes
+`canonical_form`). Its values are those of the unfused code, but for the spellings the canonical form
+rewrites to a different rounding: `x / sqrt(v)`, `x * (1 / sqrt(v))`, `x * reciprocal(sqrt(v))` and
+`x * v ** -0.5` become `x * rsqrt(v)`, which can differ in the last bit of the float32 norm (in issue
+39's review 1 of 1,048,576 bf16 outputs differed from eager), as in tier (a); every other spelling is the
+same arithmetic, bit for bit. It also gets the `original_aten` of the nodes
 the fusion replaced (kept by `allreduce_rmsnorm_fusion.fusible_site`), so that Inductor generates, names
 and tunes the same kernels as for its own graph. Why a site is not in tier (a) is kept on
 its tier-(b) node (`meta[TIER_REASON]`) for the records and `fxfuse report`. The new op is issued where

@@ -18,7 +18,7 @@ from nccl_plan_helpers import use_nccl_plans
 from toy_graphs import GraphCapture, compile_and_run, fake_process_group, rmsnorm_transformers
 
 from fxfuse.backend import FxfuseBackend
-from fxfuse.op.fp8_recipe import Fp8Recipe, cast_saturates, quantize_fp8, rounded_to, scale_shape
+from fxfuse.op.fp8_recipe import GRAPH_BOUND_MARK, Fp8Limits, Fp8Recipe, cast_saturates, quantize_fp8, rounded_to, scale_shape
 from fxfuse.op.fp8_schema import FP8_OPS, allreduce_residual_rmsnorm_fp8, recipe_of
 from fxfuse.op.reference import add_rmsnorm
 from fxfuse.op.all_reduce_schema import all_reduce
@@ -524,25 +524,28 @@ def _nccl_plan_fp8_on_rank(ctx):
 
     name = use_nccl_plans(ctx)
     out = []
-    for spelling, (_, recipe) in SPELLINGS.items():
+    cases = [(spelling, recipe, Fp8Limits()) for spelling, (_, recipe) in SPELLINGS.items()]
+    cases.append(("values_from_the_graph", Fp8Recipe("per_group", 128, GRAPH_BOUND_MARK, min_scale=GRAPH_BOUND_MARK,
+                                                     bounds_from_graph="min_amax,min_scale"), Fp8Limits(240.0, 100.0, 0.5, 2e-3)))
+    for spelling, recipe, limits in cases:
         if recipe.scale_dtype == torch.bfloat16:
             recipe = dataclasses.replace(recipe, scale_dtype=torch.float16)
         x, residual, weight = _inputs(ctx.rank, torch.float16, tokens=3)
         scale = torch.tensor(0.37) if spelling.startswith("static") else None
         for return_normed in (False, True):
             q, *rest = cuda_dispatch.allreduce_residual_rmsnorm_fp8_cuda(x.clone(), residual, weight, 1e-6, name, recipe,
-                                                                         scale, return_normed, x_donated=True)
+                                                                         scale, return_normed, x_donated=True, limits=limits)
             assert q.dtype == FP8
-            out.append((spelling, recipe, scale, return_normed, x, residual, weight, (q.float(), *rest)))
+            out.append((spelling, recipe, scale, return_normed, x, residual, weight, (q.float(), *rest), limits))
     return out
 
 
 def test_the_nccl_plan_runs_the_fused_fp8_kernel():
     rank0, rank1 = run_on_ranks(_nccl_plan_fp8_on_rank, 2, timeout_s=300)
     for case0, case1 in zip(rank0, rank1):
-        spelling, recipe, scale, return_normed, x0, residual, weight, (q, scales, residual_out, normed) = case0
+        spelling, recipe, scale, return_normed, x0, residual, weight, (q, scales, residual_out, normed), limits = case0
         expected_normed, expected_residual = add_rmsnorm(x0 + case1[4], residual, weight, 1e-6)
-        expected_q, expected_scales = quantize_fp8(expected_normed, recipe, scale)
+        expected_q, expected_scales = quantize_fp8(expected_normed, recipe, scale, limits)
         torch.testing.assert_close(residual_out, expected_residual, rtol=0, atol=0)
         torch.testing.assert_close(scales, expected_scales, rtol=0, atol=0, msg=lambda m: f"{spelling}: {m}")
         assert _matches_apart_from_interpreter_misrounding(q, expected_q), spelling

@@ -293,3 +293,29 @@ def test_sites_of_one_structure_share_one_search():
                                      backend=GraphCapture(patterns=PATTERNS))
     assert capture.records[-1].stats.fp8_quantizations_folded == 2
     assert fp8_recipe_search.SEARCHES.runs - before == 1
+
+
+@pytest.mark.parametrize("recipe, limits", [
+    (Fp8Recipe("per_group", 128, min_scale=rounded_to(1 / (448 * 512), torch.float32), power_of_two="ceil",
+               bound_after_power_of_two=True), Fp8Limits()),
+    (Fp8Recipe("per_row", 0, GRAPH_BOUND_MARK, min_scale=GRAPH_BOUND_MARK, bounds_from_graph="min_amax,min_scale"),
+     Fp8Limits(240.0, 200.0, 0.5, 1 / (240 * 512))),
+    (Fp8Recipe("per_group", 128, min_scale=GRAPH_BOUND_MARK, power_of_two="ceil", bound_after_power_of_two=True,
+               bounds_from_graph="min_scale"), Fp8Limits(448.0, 100.0, None, 3e-3)),
+], ids=["bound_after_rounding", "every_value_from_the_graph", "scale_bound_from_the_graph_after_rounding"])
+def test_the_kernel_takes_the_new_recipe_fields_and_the_graphs_values(recipe, limits):
+    """The Triton kernel (Triton's CPU interpreter here; bit for bit on the GPU: tests/gpu/test_fp8_epilogue_gpu.py)
+    bounds after rounding and reads the divisor, clamp bound and lower bounds it is given: scales exactly the
+    reference's, codes but where the interpreter misrounds a float8 cast."""
+    from test_fp8_epilogue import _matches_apart_from_interpreter_misrounding
+
+    from fxfuse.op.fp8_recipe import scale_shape
+    from fxfuse.op.kernels.add_rmsnorm_fp8_kernel import quantize_fp8_into
+
+    normed = (torch.randn(6, 512, generator=torch.Generator().manual_seed(3)) *
+              torch.tensor([1, 0.01, 1e-4, 3, 0.2, 1e-6])[:, None]).half()
+    codes, scales = torch.empty(normed.shape, dtype=FP8_DTYPE), torch.empty(scale_shape(normed.shape, recipe))
+    quantize_fp8_into(normed, recipe, None, codes, scales, limits)
+    expected_codes, expected_scales = quantize_fp8(normed, recipe, None, limits)
+    assert torch.equal(scales, expected_scales)
+    assert _matches_apart_from_interpreter_misrounding(codes.float(), expected_codes.float())

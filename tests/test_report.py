@@ -220,14 +220,33 @@ def test_cli_report_from_checkpoint_config(tmp_path, capsys):
     assert "3 of 3 all-reduce sites fused" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_cli_report_of_fp8_weights_names_each_folded_quantization_and_the_search_cost(tmp_path, capsys, monkeypatch):
+    """`FXFUSE_FP8_GEMM=w8a8 fxfuse report --weights fp8`: each GEMM after a norm quantizes its input, the report
+    names the recipe folded at each site and the FP8 searches' share of the pass time (one search, the sites share
+    its structure)."""
+    monkeypatch.setenv("FXFUSE_FP8_GEMM", "w8a8")
+    out = tmp_path / "report.json"
+    argv = ["report", "--preset", "deepseek-v3", "--tp", "8", "--layers", "2", "--weights", "fp8", "--json", str(out)]
+    assert main(argv) == 0
+    document = json.loads(out.read_text())
+    folded = [site["fp8"] for site in document["sites"]]
+    assert folded == ["fused: per_group 128, max >= 1e-12"] * 4 + [None]  # the final norm feeds the bf16 lm_head
+    assert document["fp8_quantizations"] == 4 and document["fp8_searches"] in (0, 1)  # 0: kept from an earlier search
+    assert 0 <= document["fp8_search_seconds"] <= document["pass_seconds"]
+    assert "quantizations)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--preset", "tiny-llama"], "unknown model preset 'tiny-llama'"),
         (["--tp", "3"], "tensor parallel size 3 does not divide"),
         (["--checkpoint", "/nonexistent"], "has no config.json"),
+        (["--weights", "int4"], "argument --weights: invalid choice: 'int4'"),
+        (["--weights", "fp8"], "cannot keep FP8 weights split by num_attention_heads at tensor-parallel size 2"),
     ],
-    ids=["preset", "tp", "checkpoint"],
+    ids=["preset", "tp", "checkpoint", "weights", "fp8_tiny"],
 )
 def test_cli_report_rejects_bad_input(argv, message, capsys):
     assert main(["report", *argv]) == 2

@@ -93,8 +93,11 @@ class FusionReport:
     those that ended up inside a fused op; `fused_ops`: fused ops in the rewritten graphs (fewer than
     `fused_sites` when sites were merged); `trace_seconds`: dynamo + AOT autograd (the whole compile minus the passes);
     `pass_seconds`: the fxfuse passes with the backend's before/after snapshots and site decisions (the
-    first run in a process includes tracing the patterns); `runtime`: what the fused sites run under this process's
-    FXFUSE_* settings (`fxfuse.op.decide.settings.what_fused_sites_run`).
+    first run in a process includes tracing the patterns); `fp8_search_seconds`, `fp8_searches`,
+    `fp8_quantizations`: of that, the time the FP8 searches took (`fxfuse.passes.fp8_recipe_search`), how many
+    ran, and how many quantizations they decided (the others found their structure's search done);
+    `runtime`: what the fused sites run under this process's FXFUSE_* settings
+    (`fxfuse.op.decide.settings.what_fused_sites_run`).
     """
 
     model: str
@@ -109,6 +112,9 @@ class FusionReport:
     pass_seconds: float
     sites: tuple[SiteRow, ...]
     runtime: str = ""
+    fp8_search_seconds: float = 0.0
+    fp8_searches: int = 0
+    fp8_quantizations: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """The report as a JSON-ready dict (`sites` as a list of row dicts)."""
@@ -132,6 +138,8 @@ class FusionReport:
             f"{self.allreduce_sites} all-reduce sites fused ({self.fused_ops} fused ops, {self.merged} merges), "
             f"tiers a/b/c: {'/'.join(str(sum(row.tier == t for row in self.sites)) for t in 'abc')}; "
             f"trace {self.trace_seconds:.1f} s, pass {self.pass_seconds:.2f} s"
+            + (f" (FP8 searches {self.fp8_search_seconds:.2f} s: {self.fp8_searches} run for {self.fp8_quantizations} "
+               "quantizations)" if self.fp8_quantizations else "")
         )
         return "\n".join(lines)
 
@@ -264,14 +272,16 @@ def trace_model(
     tokens: int = 4,
     patterns=PATTERNS,
     on_build: Callable[[torch.nn.Module], object] | None = None,
+    quant=None,
 ) -> tuple[SiteTracingBackend, float]:
-    """`trace_sites` of one `tokens`-token step (batch 1) of the DeepSeek-V3 reference model."""
+    """`trace_sites` of one `tokens`-token step (batch 1) of the DeepSeek-V3 reference model (its weights held
+    as `quant` says: a `fxfuse.models.quant.scheme.QuantScheme`, None for bf16)."""
     from fxfuse.models.deepseek_v3 import DeepseekV3ForCausalLM
 
     config.check_tensor_parallel(tp)
 
     def build(ctx: ParallelContext) -> torch.nn.Module:
-        return DeepseekV3ForCausalLM(config, ctx, dtype=dtype, device="cpu", max_batch=1, max_seq_len=tokens)
+        return DeepseekV3ForCausalLM(config, ctx, dtype=dtype, device="cpu", max_batch=1, max_seq_len=tokens, quant=quant)
 
     def make_inputs() -> tuple[torch.Tensor, torch.Tensor]:
         return torch.zeros(1, tokens, dtype=torch.long), torch.arange(tokens).unsqueeze(0)
@@ -281,10 +291,10 @@ def trace_model(
 
 def report_model(
     config: ModelConfig, tp: int, *, name: str, dtype: torch.dtype = torch.bfloat16, patterns=PATTERNS,
-    on_build: Callable[[torch.nn.Module], object] | None = None,
+    on_build: Callable[[torch.nn.Module], object] | None = None, quant=None,
 ) -> FusionReport:
     """Trace the DeepSeek-V3 reference model (`trace_model`) and report every all-reduce site."""
-    backend, seconds = trace_model(config, tp, dtype=dtype, patterns=patterns, on_build=on_build)
+    backend, seconds = trace_model(config, tp, dtype=dtype, patterns=patterns, on_build=on_build, quant=quant)
     return summarize(backend, seconds, model=name, layers=config.num_hidden_layers, tp=tp, dtype=dtype)
 
 
@@ -305,4 +315,7 @@ def summarize(backend: SiteTracingBackend, compile_seconds: float, *, model: str
         pass_seconds=round(backend.pass_seconds, 3),
         sites=tuple(backend.sites),
         runtime=what_fused_sites_run(current_settings()),
+        fp8_search_seconds=round(sum(r.timing.fp8_search_seconds for r in records if r.timing), 3),
+        fp8_searches=sum(r.timing.fp8_searches for r in records if r.timing),
+        fp8_quantizations=sum(r.timing.fp8_searches + r.timing.fp8_search_hits for r in records if r.timing),
     )

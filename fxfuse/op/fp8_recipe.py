@@ -162,10 +162,19 @@ class Fp8Limits:
     min_scale: float | None = None
 
     def bounds(self, recipe: "Fp8Recipe") -> tuple[float, float]:
-        """(the lower bound on the maximum, the lower bound on the scale) a call of `recipe` uses."""
+        """(the lower bound on the maximum, the lower bound on the scale) a call of `recipe` uses; ValueError
+        when the recipe takes one from the graph and the call gave none."""
         graph = recipe.bounds_from_graph.split(",")
+        for name in ("min_amax", "min_scale"):
+            if name in graph and getattr(self, name) is None:
+                raise ValueError(f"allreduce_residual_rmsnorm_fp8: the recipe takes {name} from the graph "
+                                 f"({'amax_bound' if name == 'min_amax' else 'scale_bound'}), and the call gives none")
         return (self.min_amax if "min_amax" in graph else recipe.min_amax,
                 self.min_scale if "min_scale" in graph else recipe.min_scale)
+
+
+#: Values for compiling a kernel ahead of the first call (the kernel reads the call's own values as it runs).
+WARM_UP_LIMITS = Fp8Limits(min_amax=GRAPH_BOUND_MARK, min_scale=GRAPH_BOUND_MARK)
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""GPU tests of the fused op's FP8 variant (issue 22): the one Triton kernel for add + RMSNorm + FP8
+"""GPU tests of the fused op's FP8 variant (issues 22, 29, 39): the one Triton kernel for add + RMSNorm + FP8
 against the recipe's arithmetic (codes and scales bit for bit, from the kernel's own normed output);
 the op on a one-rank NCCL group (eager, donated, CUDA-graph replay on fresh input); a block compiled by
 Inductor whose quantization the pass folds, replayed in a CUDA graph against eager; the TensorRT-LLM
@@ -15,7 +15,7 @@ import pytest
 import torch
 from flashinfer_gpu import CUDA_GPU_MARKS, EPS, FLASHINFER_GPU_MARKS, PCIE_GPU_MARKS, fused_calls, inputs
 
-from fxfuse.op.fp8_recipe import Fp8Recipe, quantize_fp8, rounded_to, scale_shape
+from fxfuse.op.fp8_recipe import GRAPH_BOUND_MARK, Fp8Limits, Fp8Recipe, quantize_fp8, rounded_to, scale_shape
 from fxfuse.op.fp8_schema import recipe_arguments
 from fxfuse.runner.launch import run_on_ranks
 
@@ -37,14 +37,49 @@ RECIPES = {
     "per_group_floor": Fp8Recipe("per_group", 128, power_of_two="floor"),  # values past 448: the clamp
     "per_group_floor_no_clamp": Fp8Recipe("per_group", 128, power_of_two="floor", saturate=False),  # torch's cast
     "per_group_reciprocal_bf16_scale": Fp8Recipe("per_group", 128, 0.0, torch.bfloat16, reciprocal=True),
+    # issue 39: vLLM's UE8M0 group quantization bounds after rounding; torch 2.15's graphs pass the divisor, the
+    # clamp bound and the lower bounds in (values other than 448 here, so that the kernel must read them)
+    "per_group_vllm_ue8m0_bound_after": Fp8Recipe("per_group", 128, min_scale=rounded_to(1 / (448 * 512), torch.float32),
+                                                  power_of_two="ceil", bound_after_power_of_two=True),
+    "per_row_values_from_the_graph": Fp8Recipe("per_row", 0, GRAPH_BOUND_MARK, min_scale=GRAPH_BOUND_MARK,
+                                               bounds_from_graph="min_amax,min_scale"),
+    "per_group_ceil_values_from_the_graph": Fp8Recipe("per_group", 128, min_scale=GRAPH_BOUND_MARK, power_of_two="ceil",
+                                                      bound_after_power_of_two=True, bounds_from_graph="min_scale"),
+}
+#: The numbers the graph passes in for a recipe (Fp8Limits), where not 448 and the recipe's own.
+LIMITS = {
+    "per_row_values_from_the_graph": Fp8Limits(divisor=240.0, clamp=200.0, min_amax=0.5, min_scale=1 / (240 * 512)),
+    "per_group_ceil_values_from_the_graph": Fp8Limits(divisor=448.0, clamp=100.0, min_scale=3e-3),
 }
 
 
-def _reference(normed: torch.Tensor, recipe: Fp8Recipe, scale: torch.Tensor | None):
+def _limits(name: str) -> Fp8Limits:
+    return LIMITS.get(name, Fp8Limits())
+
+
+def _limit_arguments(name: str) -> dict:
+    """The op's keyword arguments that carry `LIMITS[name]` (0-dim float32 CPU tensors, as a graph has them)."""
+    if name not in LIMITS:
+        return {}
+    limits = LIMITS[name]
+    values = dict(scale_divisor=limits.divisor, clamp_bound=limits.clamp, amax_bound=limits.min_amax,
+                  scale_bound=limits.min_scale)
+    return {key: torch.tensor(value, dtype=torch.float32) for key, value in values.items() if value is not None}
+
+
+def _reference(normed: torch.Tensor, recipe: Fp8Recipe, scale: torch.Tensor | None, limits: Fp8Limits = Fp8Limits()):
     """`quantize_fp8` on the CPU, where torch divides as IEEE float32 division does (on the GPU it
     multiplies by a scalar divisor's reciprocal): the arithmetic the kernels reproduce bit for bit."""
-    q, scales = quantize_fp8(normed.cpu(), recipe, None if scale is None else scale.cpu())
+    q, scales = quantize_fp8(normed.cpu(), recipe, None if scale is None else scale.cpu(), _as_float32(limits))
     return q.to(normed.device), scales.to(normed.device)
+
+
+def _as_float32(limits: Fp8Limits) -> Fp8Limits:
+    """The limits as the op reads them from float32 tensors."""
+    def rounded(value):
+        return None if value is None else float(torch.tensor(value, dtype=torch.float32))
+
+    return Fp8Limits(rounded(limits.divisor), rounded(limits.clamp), rounded(limits.min_amax), rounded(limits.min_scale))
 
 
 def _recipe_for(name: str, dtype: torch.dtype) -> Fp8Recipe:
@@ -79,17 +114,18 @@ def test_the_fused_kernel_quantizes_exactly_as_the_recipe(name, hidden, dtype):
         residual_out, normed = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
         quantized = torch.empty(tokens, hidden, device="cuda", dtype=FP8)
         scales = torch.full(scale_shape(x.shape, recipe), float("nan"), device="cuda")
-        add_rmsnorm_fp8_into(x, residual, weight, EPS, recipe, scale, residual_out, normed, quantized, scales)
+        limits = _as_float32(_limits(name))
+        add_rmsnorm_fp8_into(x, residual, weight, EPS, recipe, scale, residual_out, normed, quantized, scales, limits=limits)
         expected_normed, expected_residual = add_rmsnorm(x, residual, weight, EPS)
         torch.testing.assert_close(residual_out, expected_residual, rtol=0, atol=0)
         step = torch.finfo(dtype).eps
         torch.testing.assert_close(normed, expected_normed, rtol=step, atol=step * expected_normed.abs().max().item())
         # the quantization of the kernel's own normed output, bit for bit
-        expected_q, expected_scales = _reference(normed, recipe, scale)
+        expected_q, expected_scales = _reference(normed, recipe, scale, limits)
         torch.testing.assert_close(scales, expected_scales, rtol=0, atol=0, equal_nan=True)
         assert torch.equal(_codes(quantized), _codes(expected_q)), f"{name}: {(_codes(quantized) != _codes(expected_q)).sum()} codes differ"
         alone_q, alone_scales = torch.empty_like(quantized), torch.empty_like(scales)
-        quantize_fp8_into(normed, recipe, scale, alone_q, alone_scales)  # the quantize-only form (TensorRT-LLM path)
+        quantize_fp8_into(normed, recipe, scale, alone_q, alone_scales, limits)  # the quantize-only form (TensorRT-LLM path)
         assert torch.equal(_codes(alone_q), _codes(quantized)) and torch.equal(alone_scales.nan_to_num(-1), scales.nan_to_num(-1))
 
 
@@ -108,8 +144,8 @@ def test_nan_lands_where_the_unfused_code_puts_it(name):
     scale = _static_scale(recipe, "cuda")
     quantized = torch.empty(normed.shape, device="cuda", dtype=FP8)
     scales = torch.empty(scale_shape(normed.shape, recipe), device="cuda")
-    quantize_fp8_into(normed, recipe, scale, quantized, scales)
-    expected_q, expected_scales = _reference(normed, recipe, scale)
+    quantize_fp8_into(normed, recipe, scale, quantized, scales, _as_float32(_limits(name)))
+    expected_q, expected_scales = _reference(normed, recipe, scale, _limits(name))
     torch.testing.assert_close(scales, expected_scales, rtol=0, atol=0, equal_nan=True)
     assert torch.equal(_codes(quantized), _codes(expected_q)), f"{name}: {(_codes(quantized) != _codes(expected_q)).sum()} codes differ"
 
@@ -127,7 +163,7 @@ def one_rank_fp8(ctx) -> dict:
     for recipe_name, recipe in RECIPES.items():
         scale = _static_scale(recipe, device)
         args = (EPS, name)
-        kwargs = dict(recipe_arguments(recipe), static_scale=scale, return_normed=True)
+        kwargs = dict(recipe_arguments(recipe), static_scale=scale, return_normed=True, **_limit_arguments(recipe_name))
         x, _, residual, weight = inputs(0, 1, 16, 0, device, 7168)
         first_residual = residual.clone()
         outputs = {"eager": FP8_OPS[0](x.clone(), residual, weight, *args, **kwargs),
@@ -148,7 +184,7 @@ def one_rank_fp8(ctx) -> dict:
         for kind, (q, scales, residual_out, normed) in outputs.items():
             source, source_residual = (fresh, fresh_residual) if kind == "graph" else (x, first_residual)
             expected_normed, expected_residual = add_rmsnorm(source, source_residual, weight, EPS)
-            expected_q, expected_scales = _reference(normed, recipe, scale)
+            expected_q, expected_scales = _reference(normed, recipe, scale, _limits(recipe_name))
             report[recipe_name][kind] = dict(
                 residual=torch.equal(residual_out, expected_residual),
                 normed_err=(normed.float() - expected_normed.float()).abs().max().item(),
@@ -230,9 +266,9 @@ def trtllm_fp8(ctx) -> dict:
             x, xs, residual, weight = inputs(ctx.rank, ctx.world_size, 16, 0, device, 7168)
             before = fused_calls()
             q, scales, residual_out, normed = FP8_OPS[0](x, residual, weight, EPS, name, static_scale=scale, return_normed=True,
-                                                        **recipe_arguments(recipe))
+                                                        **recipe_arguments(recipe), **_limit_arguments(recipe_name))
             calls = {k: v - before.get(k, 0) for k, v in fused_calls().items() if v != before.get(k, 0)}
-            expected_q, expected_scales = _reference(normed, recipe, scale)
+            expected_q, expected_scales = _reference(normed, recipe, scale, _limits(recipe_name))
             exact = (_codes(q) == _codes(expected_q)).float().mean().item()
             summed = torch.stack([t.float() for t in xs]).sum(0) + residual.float()
             report[(recipe_name, return_normed)] = dict(
@@ -271,8 +307,8 @@ def pcie_fp8(ctx) -> dict:
         scale = _static_scale(recipe, device)
         before = fused_calls().get("pcie", 0)
         q, scales, residual_out, normed = FP8_OPS[0](x, residual, weight, EPS, name, static_scale=scale, return_normed=True,
-                                                    **recipe_arguments(recipe))
-        expected_q, expected_scales = _reference(normed, recipe, scale)
+                                                    **recipe_arguments(recipe), **_limit_arguments(recipe_name))
+        expected_q, expected_scales = _reference(normed, recipe, scale, _limits(recipe_name))
         summed = torch.stack([t.float() for t in xs]).sum(0) + residual.float()
         report[recipe_name] = dict(pcie_calls=fused_calls().get("pcie", 0) - before,
                                    codes=torch.equal(_codes(q), _codes(expected_q)),

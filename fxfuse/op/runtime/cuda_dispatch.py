@@ -109,6 +109,7 @@ def allreduce_residual_rmsnorm_fp8_cuda(
     after the norm; (quantized, scales, residual_out, normed or an empty tensor)."""
     check_arguments(x, residual, weight, weight_in_fp32)
     check_fp8_arguments(x.shape, recipe, static_scale, x.device)
+    limits.bounds(recipe)  # before any rank all-reduces: a bound the recipe takes from the graph must be given
     norm = (weight_offset, weight_in_fp32)
     epilogue = Fp8Epilogue(recipe, static_scale, return_normed, limits)
     plan = _plan_for(plan_key(group_name, x, residual, weight, norm, recipe), group_name)

@@ -20,7 +20,7 @@ from fxfuse.op.decide.call_decision import decide_call, problem_for
 from fxfuse.op.decide.group_config import GroupConfig, config_of
 from fxfuse.op.decide.modes import FusionMode
 from fxfuse.op.decide.policy import FusionDecision, trtllm_token_cap
-from fxfuse.op.fp8_recipe import Fp8Recipe
+from fxfuse.op.fp8_recipe import WARM_UP_LIMITS, Fp8Recipe
 from fxfuse.op.kernels.add_rmsnorm_kernel import add_rmsnorm_into
 from fxfuse.op.runtime.plans import PLAIN_NORM, CallPlan, Fp8Epilogue, NcclPlan, PciePlan, TrtllmPlan, residual_out_buffer
 from fxfuse.op.runtime.workspace import PCIE, TRTLLM
@@ -148,7 +148,7 @@ def compile_fp8_kernel(hidden: int, dtype: torch.dtype, weight_dtype, residual_d
     """Compile (once per key) the add-RMSNorm + FP8 kernel (`normalize`) or its quantize-only form, on a one-row call."""
     row, residual, weight, residual_out = _one_row(hidden, dtype, weight_dtype, residual_dtype)
     static_scale = None if recipe.dynamic else torch.ones((), device=row.device)
-    epilogue = Fp8Epilogue(recipe, static_scale, False)
+    epilogue = Fp8Epilogue(recipe, static_scale, False, WARM_UP_LIMITS)  # any values: the kernel takes them as it runs
     if normalize:
         epilogue.run(row, residual, weight, 1e-6, residual_out, norm)
     else:
