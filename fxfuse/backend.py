@@ -27,6 +27,7 @@ import os
 from collections.abc import Iterable
 from typing import Any, Callable
 
+import torch
 import torch.fx
 
 from fxfuse.passes.config import PATTERNS
@@ -45,6 +46,10 @@ class FxfuseBackend(FusionRecorder):
     inner: "inductor" (default) or "eager" (no code generation: fast, for tests).
     patterns, dump_dir, fuse_without_fast_kernel: the `FusionRecorder`'s (enabled patterns, where each
     graph's before/after/diff files go, fusing CUDA sites no fused all-reduce kernel can run).
+    mode, options: `torch.compile`'s, for the inner Inductor, which applies them as it does for
+    `backend="inductor"` (`mode="reduce-overhead"`: CUDA graphs; `"max-autotune"`; `options` of Inductor's
+    config); given to `torch.compile(..., backend="fxfuse", mode=...)` they reach the backend here too. The
+    eager inner compiler takes neither (ValueError).
     After compiling, `records` holds one `CompileRecord` per compiled graph, in order (`from_cache`
     for those Inductor loaded from its caches). With Inductor, the passes take the
     `post_grad_custom_post_pass` slot of Inductor's config for these compiles and run the pass that was
@@ -57,22 +62,27 @@ class FxfuseBackend(FusionRecorder):
         patterns: Iterable[str] = PATTERNS,
         dump_dir: str | os.PathLike | None = None,
         fuse_without_fast_kernel: bool = False,
+        mode: str | None = None,
+        options: dict[str, Any] | None = None,
     ) -> None:
         if inner not in INNER_COMPILERS:
             raise ValueError(f"unknown inner compiler {inner!r}; choose one of {INNER_COMPILERS}")
         super().__init__(patterns, dump_dir, fuse_without_fast_kernel)
         self.inner = inner
+        self.inductor_config = inductor_config_patches(inner, mode, options)
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        """Compile a dynamo graph: AOT autograd, the fusion passes, then the inner compiler."""
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
+                 options: dict[str, Any] | None = None) -> Callable[..., Any]:
+        """Compile a dynamo graph: AOT autograd, the fusion passes, then the inner compiler (`mode` and
+        `options`: as `torch.compile` passes them, added to the backend's own)."""
+        patches = {**self.inductor_config, **inductor_config_patches(self.inner, mode, options)}
         if self.inner == "inductor":
             from torch._inductor import config as inductor_config
             from torch._inductor.compile_fx import compile_fx
 
             slot = inductor_config.post_grad_custom_post_pass
             fusion = FusionPostGradPass(self, user_passes_of(slot, owner="post_grad_custom_post_pass"))
-            with fusion.recording_cache_hits():
-                return compile_fx(gm, example_inputs, config_patches={"post_grad_custom_post_pass": fusion})
+            return compile_fx(gm, example_inputs, config_patches={**patches, "post_grad_custom_post_pass": fusion})
         from torch._dynamo.backends.common import aot_autograd
         from torch._inductor.decomposition import select_decomp_table
 
@@ -123,6 +133,25 @@ def fusion_summary(backend: FxfuseBackend) -> dict[str, int | None]:
     }
 
 
-def fxfuse_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-    """The `backend="fxfuse"` entry point: `FxfuseBackend()` with defaults (Inductor, all patterns)."""
-    return FxfuseBackend()(gm, example_inputs)
+def inductor_config_patches(inner: str, mode: str | None, options: dict[str, Any] | None) -> dict[str, Any]:
+    """The Inductor config `torch.compile(mode=..., options=...)` would give `backend="inductor"` (made by
+    Inductor's own wrapper, which checks the mode and option names); ValueError for the eager inner compiler,
+    which has no such settings."""
+    if (mode is None or mode == "default") and not options:
+        return {}
+    if inner != "inductor":
+        raise ValueError(f"mode={mode!r} and options={options!r} configure Inductor; fxfuse's inner compiler here is "
+                         f"{inner!r}, which takes neither (use inner='inductor', the default)")
+    if options is not None and not isinstance(options, dict):
+        raise ValueError(f"options must be a dict of Inductor config settings, got {type(options).__name__}")
+    try:
+        return dict(torch._TorchCompileInductorWrapper(mode, options, None).config)
+    except RuntimeError as error:  # an unknown mode or option name
+        raise ValueError(str(error).split(", known options are")[0] + " (Inductor's settings: torch._inductor.config)") from None
+
+
+def fxfuse_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
+                   options: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """The `backend="fxfuse"` entry point: `FxfuseBackend()` with defaults (Inductor, all patterns), with
+    `torch.compile`'s `mode` and `options` for the inner Inductor."""
+    return FxfuseBackend(mode=mode, options=options)(gm, example_inputs)

@@ -442,7 +442,7 @@ def _tune_command(args) -> int:
     from fxfuse.runner.op_settings import checked_op_settings
     from fxfuse.runner.tune_pcie import main as tune_main
 
-    checked_op_settings()  # FXFUSE_PCIE_PROFILE and the other settings the workspace is made with
+    checked_op_settings(tune_cache_written=True)  # FXFUSE_PCIE_PROFILE and the others the workspace is made with
     start = args.argv.index("pcie", args.argv.index("tune") + 1) + 1
     return tune_main([a for a in args.argv[start:] if a != "--verbose"])
 

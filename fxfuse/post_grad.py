@@ -16,18 +16,20 @@ uuids beside it. Nothing of the machine or of the FXFUSE_* settings is in it: th
 neither (its compile-time choices use graph facts only, `fxfuse.op.decide.capability`, so every rank's
 graph is the same; the op decides the rest when it first runs). It is None (Inductor then compiles
 without its cache, as it would for their pass alone) when a user pass has no uuid.
-A cache hit runs no pass; `recording_cache_hits()` turns what Inductor replays into records
-(`fxfuse.rewrite.records`).
+A cache hit runs no pass. Inductor then replays the counters the compile made, fxfuse's mark among them
+(`fxfuse.rewrite.records`): the Counter that holds `counters["inductor"]` tells the pass in Inductor's
+config of each mark replayed while the pass is not running (`MarkWatchingCounter`), and the pass turns
+it into a record, logged and counted as the run of the pass was (`FusionPostGradPass.loaded_from_cache`):
+a compile served by Inductor's caches says so, with its counts, whichever entry point made it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import os
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +46,7 @@ from fxfuse.op.runtime.registration import install_native_fallback
 from fxfuse.passes import donate_allreduce_input
 from fxfuse.passes.config import PATTERNS, PassConfig
 from fxfuse.rewrite.recorder import FusionRecorder
-from fxfuse.rewrite.records import CompileRecord, fused_sites_on_cuda, mark_compiled, marks_in, record_from_mark
+from fxfuse.rewrite.records import MARK_PREFIX, CompileRecord, fused_sites_on_cuda, mark_compiled, record_from_mark
 
 #: Inductor (torch >= 2.12) hands passes of this kind `is_inference`; older releases call `pass_(graph)`.
 _INFERENCE_AWARE = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", None)
@@ -57,14 +59,15 @@ GraphPass = Callable[[torch.fx.Graph], None]
 class FusionPostGradPass(_INFERENCE_AWARE or CustomGraphPass):
     """User passes, then fxfuse's rewrite through `recorder`, then donation (see the module docstring).
 
-    `records` (the recorder's) lists the graphs this pass rewrote, and inside `recording_cache_hits()`
-    also those Inductor loaded from its caches.
+    `records` (the recorder's) lists the graphs this pass rewrote and those Inductor loaded from its
+    caches while it was the configured pass.
     """
 
     def __init__(self, recorder: FusionRecorder, user_passes: Sequence[GraphPass] = ()) -> None:
         self.recorder = recorder
         self.user_passes = tuple(user_passes)
-        self._marks_made: Counter[str] = Counter()
+        self._marking = False
+        watch_marks()
 
     @property
     def records(self) -> list[CompileRecord]:
@@ -81,8 +84,12 @@ class FusionPostGradPass(_INFERENCE_AWARE or CustomGraphPass):
         recorded = len(self.recorder.records)
         self.recorder.rewrite(graph)
         on_cuda = fused_sites_on_cuda(graph)
-        for record in self.recorder.records[recorded:]:
-            self._marks_made[mark_compiled(record, on_cuda)] += 1
+        self._marking = True  # the marks this run makes are not loads from the cache
+        try:
+            for record in self.recorder.records[recorded:]:
+                mark_compiled(record, on_cuda)
+        finally:
+            self._marking = False
         donate_allreduce_input.run(graph)
 
     def uuid(self) -> tuple[str, tuple[Any, ...]] | None:
@@ -92,21 +99,44 @@ class FusionPostGradPass(_INFERENCE_AWARE or CustomGraphPass):
             return None
         return fxfuse_digest(self.recorder.config), user
 
-    @contextlib.contextmanager
-    def recording_cache_hits(self) -> Iterator[None]:
-        """Inside: graphs Inductor loads from its caches (where this pass does not run) are recorded
-        too, from the marks their compile left (`fxfuse.rewrite.records`), and the C++ fallback is
-        installed for those with fused CUDA sites, as a run of the pass would."""
-        seen, made = counters["inductor"].copy(), self._marks_made.copy()
-        try:
-            yield
-        finally:
-            loaded = marks_in(counters["inductor"] - seen) - (self._marks_made - made)
-            for name in loaded.elements():
-                record, on_cuda = record_from_mark(name)
-                self.recorder.add_record(record)
-                if on_cuda and record.stats.fused:
-                    install_native_fallback()
+    def loaded_from_cache(self, mark: str, count: int = 1) -> None:
+        """Record a graph Inductor loaded from its caches (where this pass did not run) from the mark its
+        compile left, `count` times, and install the C++ fallback for one with fused CUDA sites, as a run of
+        the pass would; marks this pass is making itself are not loads."""
+        if self._marking:
+            return
+        for _ in range(count):
+            record, on_cuda = record_from_mark(mark)
+            self.recorder.add_record(record)
+            if on_cuda and record.stats.fused:
+                install_native_fallback()
+
+
+class MarkWatchingCounter(Counter):
+    """The Counter of `counters["inductor"]` (and of dynamo's other counters): an fxfuse mark added while a
+    `FusionPostGradPass` is Inductor's configured pass goes to that pass (`loaded_from_cache`); Inductor adds
+    a cached graph's marks back when it loads it."""
+
+    def __setitem__(self, key, value) -> None:
+        added = value - self.get(key, 0) if isinstance(key, str) and key.startswith(MARK_PREFIX) else 0
+        super().__setitem__(key, value)
+        if added > 0:
+            from torch._inductor import config as inductor_config
+
+            configured = inductor_config.post_grad_custom_post_pass
+            if isinstance(configured, FusionPostGradPass):
+                configured.loaded_from_cache(key, added)
+
+
+def watch_marks() -> None:
+    """Make dynamo's counters `MarkWatchingCounter`s: the one Inductor writes now, and those made after a
+    `counters.clear()` (idempotent)."""
+    counters.default_factory = MarkWatchingCounter
+    current = counters.get("inductor")
+    if current is not None and not isinstance(current, MarkWatchingCounter):
+        watching = MarkWatchingCounter()
+        dict.update(watching, current)  # no notification for marks already counted
+        counters["inductor"] = watching
 
 
 def post_grad_pass(
@@ -120,8 +150,8 @@ def post_grad_pass(
 
     `user_pass`: what that slot held before (None, a pass, or a list of passes): it runs first, then
     merge and fusion, then the donation of each fused op's input. The other options are
-    `FusionRecorder`'s (and `FxfuseBackend`'s). The pass's `records` lists the graphs it rewrote; wrap a
-    compile in `with fusion.recording_cache_hits():` to also record those Inductor loads from its caches.
+    `FusionRecorder`'s (and `FxfuseBackend`'s). The pass's `records` lists the graphs it rewrote and those
+    Inductor loaded from its caches while it was the configured pass (logged as such, with their counts).
     """
     recorder = FusionRecorder(patterns, dump_dir, fuse_without_fast_kernel)
     return FusionPostGradPass(recorder, user_passes_of(user_pass, owner="fxfuse.post_grad_pass"))

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,6 +90,61 @@ def test_unknown_inner_compiler_rejected():
 def test_unknown_pattern_rejected():
     with pytest.raises(ValueError, match="unknown fxfuse pattern"):
         FxfuseBackend(inner="eager", patterns=["allreduce_layernorm"])
+
+
+def test_one_pattern_string_rejected_with_the_fix():
+    """Issue 41: a string used to be taken as a set of its letters (13 unknown single-letter patterns)."""
+    with pytest.raises(ValueError, match=r"got the string 'allreduce_residual_rmsnorm': write "
+                                         r"patterns=\['allreduce_residual_rmsnorm'\]"):
+        FxfuseBackend(inner="eager", patterns="allreduce_residual_rmsnorm")
+
+
+def test_an_unwritable_dump_dir_is_refused_where_it_is_given(tmp_path, monkeypatch):
+    """Issue 41: a read-only dump_dir used to fail only at the first compile, as BackendCompilerFailed. (Root writes
+    read-only directories, so the refusal is checked with access denied to this process.)"""
+    from fxfuse.rewrite import recorder
+
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    monkeypatch.setattr(recorder.os, "access", lambda path, mode: Path(path) != read_only)
+    with pytest.raises(ValueError, match="is not writable by this process"):
+        FxfuseBackend(inner="eager", dump_dir=read_only / "graphs")
+    monkeypatch.undo()
+    FxfuseBackend(inner="eager", dump_dir=read_only / "graphs")  # writable: accepted, nothing made yet
+    assert not (read_only / "graphs").exists()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        FxfuseBackend(inner="eager", dump_dir=tmp_path / "file" / "graphs")
+
+
+def test_mode_and_options_go_to_inductor_and_are_checked():
+    """Issue 41: `torch.compile(..., backend="fxfuse", mode=...)` passes mode/options to the backend, as transformers'
+    CompileConfig does (mode="reduce-overhead" by default): they configure the inner Inductor, are checked by
+    Inductor's own rules, and are refused for the eager inner compiler."""
+    from fxfuse.backend import inductor_config_patches
+
+    assert inductor_config_patches("inductor", "reduce-overhead", None) == {"triton.cudagraphs": True}
+    assert inductor_config_patches("inductor", None, {"max_autotune": True}) == {"max_autotune": True}
+    assert inductor_config_patches("eager", "default", None) == {}
+    with pytest.raises(ValueError, match="the eager inner compiler|which takes neither"):
+        FxfuseBackend(inner="eager", mode="max-autotune")
+    with pytest.raises(ValueError, match="Unrecognized mode=fast"):
+        FxfuseBackend(mode="fast")
+    with pytest.raises(ValueError, match="Unexpected optimization option no_such_option"):
+        FxfuseBackend(options={"no_such_option": 1})
+
+
+@pytest.mark.slow
+def test_backend_fxfuse_with_a_mode_compiles_and_fuses(group):
+    """`torch.compile(block, backend="fxfuse", mode="reduce-overhead")` (the entry point; Inductor inner) fuses."""
+    counters.clear()
+    torch._dynamo.reset()
+    inputs = decoder_inputs(torch.float32)
+    with torch.no_grad():
+        out = torch.compile(decoder_for(group), backend="fxfuse", mode="reduce-overhead", fullgraph=True)(*inputs)
+    torch._dynamo.reset()
+    assert counters["fxfuse"]["fused_with_residual"] + counters["fxfuse"]["fused_without_residual"] == 4
+    torch.testing.assert_close(out, decoder_for(group)(*inputs), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(

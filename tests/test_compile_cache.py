@@ -31,7 +31,7 @@ from fxfuse.backend import FxfuseBackend
 from fxfuse.passes.config import ALLREDUCE_RESIDUAL_RMSNORM, ALLREDUCE_RMSNORM, PATTERNS
 from fxfuse.post_grad import FusionPostGradPass
 from fxfuse.rewrite.graph_diff import GraphSnapshot
-from fxfuse.rewrite.records import CompileRecord, FusionStats, mark_compiled, mark_name, marks_in, record_from_mark, snapshots_dir
+from fxfuse.rewrite.records import CompileRecord, FusionStats, mark_compiled, mark_name, record_from_mark, snapshots_dir
 
 TESTS = Path(__file__).resolve().parent
 STATS = FusionStats(allreduces_before=4, merged=0, fused_with_residual=3, fused_without_residual=1, allreduces_after=0)
@@ -186,25 +186,25 @@ def test_a_mark_round_trips_through_its_counter_and_file(inductor_cache):
     assert (missing.stats, missing.before, missing.after) == (record.stats, None, None)
 
 
-def test_marks_in_keeps_only_fxfuse_marks():
-    mark = mark_name(STATS, True, None)
-    change = Counter({mark: 2, "fxgraph_cache_hit": 1, mark_name(STATS, False, "abc"): 0})
-    assert marks_in(change) == Counter({mark: 2})
+def test_snapshots_live_beside_inductors_cache():
     assert snapshots_dir().name == "fxfuse"
 
 
 def test_cache_hits_become_records_once(inductor_cache, monkeypatch):
-    """Marks Inductor replays inside `recording_cache_hits` become records; marks the pass made itself
-    in the window do not count twice; a replayed CUDA graph with fused sites installs the C++ fallback."""
+    """Marks Inductor adds back while the pass is the configured one become records (with `counters` cleared
+    first, as users do, too); marks the pass makes itself do not count twice; marks added while another pass is
+    configured are not this pass's; a replayed CUDA graph with fused sites installs the C++ fallback."""
     installs = []
     monkeypatch.setattr(fxfuse.post_grad, "install_native_fallback", lambda: installs.append(True))
     backend = FxfuseBackend()
     fusion = FusionPostGradPass(backend)
-    with fake_process_group() as group, fusion.recording_cache_hits():
+    counters.clear()
+    with fake_process_group() as group, torch._inductor.config.patch(post_grad_custom_post_pass=fusion):
         decoder = functools.partial(toy_decoder, group=group, norm=RMSNORMS["transformers"])
         fusion(post_grad_graph(decoder, *decoder_inputs(torch.float32)).graph)  # a miss: the pass runs and marks
-        counters["inductor"][mark_name(STATS, True, None)] += 1  # a hit: Inductor replays a CUDA graph's mark
+        counters["inductor"] += Counter({mark_name(STATS, True, None): 1})  # a hit: as Inductor adds a graph's counters
         counters["inductor"][mark_name(FusionStats(1, 0, 0, 0, 1), True, None)] += 1  # a CUDA graph with nothing fused
+    counters["inductor"][mark_name(STATS, True, None)] += 1  # another compile, without this pass: not recorded
     assert [(r.from_cache, r.stats.fused) for r in backend.records] == [(False, 4), (True, 4), (True, 0)]
     assert installs == [True]
     assert counters["fxfuse"]["fused_with_residual"] == 3 + 3
@@ -236,7 +236,9 @@ def fake_measurement(spec: dict, cache_dir: str, *, warm_misses: bool = False) -
                          "aot_autograd": {"hit": int(hit), "miss": int(not hit), "bypass": 0}}}
     if spec["backend"] == "fxfuse":
         result["seconds"] += 1.0
-        result["records"] = [{"allreduce_sites": 9, "fused_sites": 9, "from_cache": hit}]
+        result["records"] = [{"allreduce_sites": 9, "fused_sites": 9, "fp8_folded": 0, "from_cache": hit,
+                              **({} if hit else {"pass_s": 0.5, "fp8_search_s": 0.1, "fp8_searches": 1,
+                                                 "fp8_quantizations": 9})}]
     return result
 
 
@@ -253,7 +255,7 @@ def test_bench_compile_report(tmp_path, monkeypatch, capsys, warm_misses):
     assert (rows["inductor"]["cold_s"], rows["inductor"]["warm_s"], rows["fxfuse"]["warm_s"]) == (60.0, 5.0, 6.0)
     assert len(rows["fxfuse"]["samples"]) == 2 and report["warm_fxfuse_vs_inductor"] == {"tiny": 1.2}
     out, err = capsys.readouterr()
-    assert "| tiny | 2 | fxfuse | 61.0 | 6.0 |" in out
+    assert "| tiny | 2 | fxfuse | 61.0 | 55.0 | 0.50 (0.10, 1 / 9) | 6.0 |" in out
     assert (status, "FAILED" in err) == ((1, True) if warm_misses else (0, False))
 
 
@@ -264,6 +266,9 @@ def test_bench_measurement_cold_then_warm(tmp_path):
     assert cold["caches"]["fx_graph"]["miss"] == 1 and warm["caches"]["fx_graph"]["hit"] == 1
     assert warm["caches"]["aot_autograd"]["hit"] == 1
     sites = 3  # the embedding, the attention and the MLP of the one layer
-    assert cold["records"] == [{"allreduce_sites": sites, "fused_sites": sites, "from_cache": False}]
-    assert warm["records"] == [{"allreduce_sites": sites, "fused_sites": sites, "from_cache": True}]
+    (cold_record,), (warm_record,) = cold["records"], warm["records"]
+    assert {k: cold_record[k] for k in ("allreduce_sites", "fused_sites", "fp8_folded", "from_cache")} == {
+        "allreduce_sites": sites, "fused_sites": sites, "fp8_folded": 0, "from_cache": False}
+    assert cold_record["pass_s"] > 0 and (cold_record["fp8_searches"], cold_record["fp8_quantizations"]) == (0, 0)
+    assert warm_record == {"allreduce_sites": sites, "fused_sites": sites, "fp8_folded": 0, "from_cache": True}
     assert warm["seconds"] < cold["seconds"] and warm["dynamo_seconds"] > 0

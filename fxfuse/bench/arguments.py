@@ -246,4 +246,8 @@ def add_compile_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_COMPILE_REPEATS})")
     p.add_argument("--compile-threads", type=at_least(1), default=None,
                    help="Inductor's compile_threads (default: Inductor's own choice for this machine)")
+    p.add_argument("--weights", choices=("bf16", "fp8"), default="bf16",
+                   help="bf16 (default) or fp8: FP8 block weights whose GEMMs quantize their input (w8a8), so the graph "
+                        "holds an FP8 quantization after each norm that fxfuse folds (deepseek-v3 only: the tiny preset's "
+                        "tp 2 slices do not fill whole FP8 blocks)")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR, help=OUT_DIR_HELP)

@@ -12,7 +12,10 @@ compiled with `torch.compile(fullgraph=True, dynamic=True)` through the backend 
 `compile_fx`, what `backend="inductor"` runs; `fxfuse`: `FxfuseBackend()`, what `backend="fxfuse"`
 runs). The compile is timed from the first call to the end of the backend, whose compiled step is then
 not run; the backend's own share (AOT autograd, the passes, Inductor or its caches) is timed apart, the
-rest is dynamo. Models: `tiny` at tp=2 and `deepseek-v3` (full widths) at tp=8, both cut to `--layers`.
+rest is dynamo. Models: `tiny` at tp=2 and `deepseek-v3` (full widths) at tp=8, both cut to `--layers`;
+with `--weights fp8` the model keeps FP8 block weights whose GEMMs quantize their inputs (w8a8), so that
+the graph holds the FP8 quantizations fxfuse folds, and each cold fxfuse compile reports its passes' time
+and the FP8 searches' share of it (`fxfuse.rewrite.records.PassTiming`).
 It also reads Inductor's cache counters (FX graph cache and AOTAutograd cache hits, misses, bypasses)
 and, for fxfuse, the all-reduce sites and fused sites of the compiled graph from the backend's
 records, which on a hit come from the cache (`fxfuse.rewrite.records`).
@@ -59,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
         add_compile_arguments(parser)
         args = parser.parse_args(argv)
         check_output_dir(args.out_dir, "--out-dir")
+        if args.weights == "fp8" and "tiny" in args.models:
+            parser.error("--weights fp8 needs --models deepseek-v3 (the tiny preset's tp 2 slices do not fill whole FP8 blocks)")
         return args
 
     args, status = parsed_or_status(parse)
@@ -81,6 +86,7 @@ def run_benchmark(args) -> dict:
 
     report = {**report_header("compile", "none"), "machine": machine(), "versions": package_versions(("triton",)),
               "settings": {"layers": args.layers, "tokens": TOKENS, "dtype": "bfloat16", "dynamic": True,
+                           "weights": args.weights,
                            "tp": {model: MODEL_TP[model] for model in args.models}, "repeats": args.repeats,
                            "compile_threads": args.compile_threads or "Inductor's default"},
               "load_average_before": os.getloadavg()}
@@ -90,7 +96,7 @@ def run_benchmark(args) -> dict:
             cache = tempfile.mkdtemp(prefix="fxfuse-compile-bench-")
             try:
                 spec = {"model": model, "backend": backend, "layers": args.layers,
-                        "compile_threads": args.compile_threads}
+                        "compile_threads": args.compile_threads, "weights": args.weights}
                 runs.append({"cold": run_measurement(spec, cache), "warm": run_measurement(spec, cache)})
             finally:
                 shutil.rmtree(cache, ignore_errors=True)
@@ -141,9 +147,13 @@ def measure(spec: dict) -> dict:
 
         return refuse
 
+    from fxfuse.models.quant.scheme import QuantScheme
+
     config = get_preset(spec["model"], layers=spec["layers"])
+    quant = QuantScheme("fp8", fp8_gemm="w8a8") if spec.get("weights") == "fp8" else None
     with fake_process_group(MODEL_TP[spec["model"]]) as group, torch.no_grad():
-        model = DeepseekV3ForCausalLM(config, ParallelContext.from_group(group), dtype=torch.bfloat16, max_seq_len=TOKENS)
+        model = DeepseekV3ForCausalLM(config, ParallelContext.from_group(group), dtype=torch.bfloat16, max_seq_len=TOKENS,
+                                      quant=quant)
         inputs = torch.zeros(1, TOKENS, dtype=torch.long), torch.arange(TOKENS).unsqueeze(0)
         start = time.perf_counter()
         try:
@@ -156,7 +166,12 @@ def measure(spec: dict) -> dict:
                          for cache, (group_name, names) in CACHE_COUNTERS.items()}}
     if fxfuse is not None:
         result["records"] = [{"allreduce_sites": r.stats.allreduces_before, "fused_sites": r.stats.fused,
-                              "from_cache": r.from_cache} for r in fxfuse.records]
+                              "fp8_folded": r.stats.fp8_quantizations_folded, "from_cache": r.from_cache,
+                              **({} if r.timing is None else {
+                                  "pass_s": round(r.timing.seconds, 3), "fp8_search_s": round(r.timing.fp8_search_seconds, 3),
+                                  "fp8_searches": r.timing.fp8_searches,
+                                  "fp8_quantizations": r.timing.fp8_searches + r.timing.fp8_search_hits})}
+                             for r in fxfuse.records]
     return result
 
 
@@ -229,20 +244,35 @@ def markdown(report: dict) -> str:
         f"fake process group, compile_threads: {settings['compile_threads']}; median of {settings['repeats']} "
         "cold + warm pairs, each on a fresh cache",
         "",
-        "| model | tp | backend | cold s | warm s | warm: dynamo s | warm: backend s | warm cache hits (FX graph, AOT) | fused sites cold / warm |",
-        "|---|---:|---|---:|---:|---:|---:|---|---|",
+        "| model | tp | backend | cold s | cold: backend s | cold: fxfuse passes s (FP8 searches s, run / quantizations) | warm s | warm: dynamo s | warm: backend s | warm cache hits (FX graph, AOT) | fused sites cold / warm |",
+        "|---|---:|---|---:|---:|---|---:|---:|---:|---|---|",
     ]
     for row in report["rows"]:
         hits = ", ".join(f"{c['fx_graph']['hit']}/{c['aot_autograd']['hit']}" for c in row["warm_caches"])
         fused = "-"
         if "records" in row:
             fused = " / ".join(",".join(str(r["fused_sites"]) for r in row["records"][phase][0]) for phase in ("cold", "warm"))
-        lines.append(f"| {row['model']} | {row['tp']} | {row['backend']} | {row['cold_s']:.1f} | {row['warm_s']:.1f} | "
-                     f"{row['warm_dynamo_s']:.1f} | {row['warm_backend_s']:.2f} | {hits} | {fused} |")
+        lines.append(f"| {row['model']} | {row['tp']} | {row['backend']} | {row['cold_s']:.1f} | {row['cold_backend_s']:.1f} | "
+                     f"{_pass_times(row)} | {row['warm_s']:.1f} | {row['warm_dynamo_s']:.1f} | {row['warm_backend_s']:.2f} | "
+                     f"{hits} | {fused} |")
     if report["warm_fxfuse_vs_inductor"]:
         lines += ["", "Warm fxfuse / warm Inductor: " + ", ".join(
             f"{model} {ratio:.2f}x" for model, ratio in report["warm_fxfuse_vs_inductor"].items())]
     return "\n".join(lines) + "\n"
+
+
+def _pass_times(row: dict) -> str:
+    """The cold compiles' fxfuse pass time and its FP8 searches (medians over repeats), or "-" for Inductor."""
+    if "records" not in row:
+        return "-"
+    runs = [records for records in row["records"]["cold"] if records and "pass_s" in records[0]]
+    if not runs:
+        return "-"
+    def median(key):
+        return statistics.median(sum(r[key] for r in records) for records in runs)
+
+    return (f"{median('pass_s'):.2f} ({median('fp8_search_s'):.2f}, {median('fp8_searches'):.0f} / "
+            f"{median('fp8_quantizations'):.0f})")
 
 
 if __name__ == "__main__":

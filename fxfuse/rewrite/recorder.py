@@ -47,8 +47,13 @@ class FusionRecorder:
         fuse_without_fast_kernel: bool = False,
     ) -> None:
         warn_if_untested()
+        if isinstance(patterns, str):
+            raise ValueError(f"patterns takes pattern names (a list or set), got the string {patterns!r}: write "
+                             f"patterns=[{patterns!r}]")
         self.config = PassConfig(frozenset(patterns), fuse_without_fast_kernel)
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
+        if self.dump_dir is not None:
+            _check_writable_directory(self.dump_dir)
         self.records: list[CompileRecord] = []
 
     def rewrite(self, graph: torch.fx.Graph) -> tuple[SiteDecision, ...]:
@@ -93,3 +98,15 @@ class FusionRecorder:
             (self.dump_dir / f"{stem}.before.txt").write_text(record.before.text())
             (self.dump_dir / f"{stem}.after.txt").write_text(record.after.text())
         (self.dump_dir / f"{stem}.diff.txt").write_text(f"{record.stats}\n\n{record.diff()}")
+
+
+def _check_writable_directory(path: Path) -> None:
+    """ValueError unless `path` is a directory this process can write, or can be made in one (checked where it
+    is given, not at the first compile)."""
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"dump_dir {str(path)!r}: {str(existing)!r} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"dump_dir {str(path)!r}: {str(existing)!r} is not writable by this process")

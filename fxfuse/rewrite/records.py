@@ -12,8 +12,8 @@ fxfuse passes never see the graph, yet `FxfuseBackend.records`, `fusion_summary`
   pass run adds one counter, `mark_name(...)`: `fxfuse:` then a JSON object with the run's stats,
   whether its fused ops take CUDA tensors (the C++ fallback is installed for those), the digest
   of its snapshots and its `UnfusedSites` (so that a hit warns as the compile did,
-  `fxfuse.rewrite.log`). A compile that loaded graphs from the caches shows their marks in the
-  counters' change, which `FusionPostGradPass.recording_cache_hits` turns back into records.
+  `fxfuse.rewrite.log`). When Inductor adds a mark back for a graph it loaded, the configured
+  `FusionPostGradPass` hears of it (`fxfuse.post_grad.MarkWatchingCounter`) and turns it back into a record.
 - The snapshots (the graph before and after, up to megabytes of text for a large model) in a side
   file, `<Inductor cache dir>/fxfuse/<digest>.json`, named by the digest of its content: ranks and
   graphs that compiled alike share one file. Without it (another cache directory, a remote cache,
@@ -179,11 +179,6 @@ def mark_name(stats: FusionStats, on_cuda: bool, snapshots: str | None, unfused:
     payload = {"stats": asdict(stats), "cuda": on_cuda, "snapshots": snapshots,
                "unfused": None if unfused is None else asdict(unfused)}
     return MARK_PREFIX + json.dumps(payload, sort_keys=True, separators=(",", ":"))
-
-
-def marks_in(change: Counter[str]) -> Counter[str]:
-    """The fxfuse marks among the counters of `change` (a difference of `counters["inductor"]`)."""
-    return Counter({name: count for name, count in change.items() if name.startswith(MARK_PREFIX) and count > 0})
 
 
 def record_from_mark(name: str) -> tuple[CompileRecord, bool]:

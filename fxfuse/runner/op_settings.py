@@ -25,16 +25,23 @@ INTERCONNECTS = ("nvlink", "pcie")
 THRESHOLDS_ENV = "FXFUSE_THRESHOLDS"
 
 
-def checked_op_settings(environ: Mapping[str, str] = os.environ) -> FusionSettings:
-    """The op's settings from `environ`; RunError if FXFUSE_FUSION, FXFUSE_MAX_TOKENS, FXFUSE_TOPOLOGY or
-    FXFUSE_PCIE_PROFILE holds a value the op does not understand, or FXFUSE_THRESHOLDS names a file that
-    is missing or not a thresholds table."""
-    from fxfuse.op.decide.settings import settings_from_env
+def checked_op_settings(environ: Mapping[str, str] = os.environ, tune_cache_written: bool = False) -> FusionSettings:
+    """The op's settings from `environ`; RunError if FXFUSE_FUSION, FXFUSE_MAX_TOKENS, FXFUSE_TOPOLOGY,
+    FXFUSE_PCIE_PROFILE or FXFUSE_NATIVE holds a value the op does not understand, FXFUSE_PCIE_TUNE_CACHE
+    names no file (unless `tune_cache_written`: `fxfuse tune pcie` writes it), or FXFUSE_THRESHOLDS names
+    a file that is missing or not a thresholds table."""
+    from fxfuse.op.decide.environment import switch_setting
+    from fxfuse.op.decide.settings import ENV_PCIE_TUNE_CACHE, settings_from_env
 
     try:
         settings = settings_from_env(environ)
+        switch_setting("FXFUSE_NATIVE", True, environ)
     except ValueError as exc:
         raise RunError(f"bad setting {exc}") from None
+    tune_cache = settings.pcie_tune_cache
+    if tune_cache is not None and not tune_cache_written and not os.path.isfile(tune_cache):
+        raise RunError(f"bad setting {ENV_PCIE_TUNE_CACHE}={tune_cache!r}: no such file (FlashInfer's PCIe all-reduce "
+                       "reads its tuning from it: run `fxfuse tune pcie` to write it, or unset the variable)")
     if env_setting(THRESHOLDS_ENV, environ):
         from fxfuse.op.decide.thresholds import load_thresholds
 

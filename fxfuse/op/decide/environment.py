@@ -16,3 +16,17 @@ from typing import Mapping
 def env_setting(name: str, environ: Mapping[str, str] = os.environ) -> str | None:
     """The value of the variable `name` in `environ` without surrounding blanks; None if unset or empty."""
     return (environ.get(name) or "").strip() or None
+
+
+#: The spellings of an on/off switch (`FXFUSE_NATIVE`).
+SWITCH_VALUES = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def switch_setting(name: str, default: bool, environ: Mapping[str, str] = os.environ) -> bool:
+    """An on/off variable: `default` when unset; ValueError naming it for a value that is neither."""
+    value = env_setting(name, environ)
+    if value is None:
+        return default
+    if value.lower() not in SWITCH_VALUES:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(SWITCH_VALUES)}")
+    return SWITCH_VALUES[value.lower()]

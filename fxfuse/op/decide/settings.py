@@ -27,8 +27,9 @@ from fxfuse.op.decide.environment import env_setting
 from fxfuse.op.decide.modes import FusionMode
 from fxfuse.op.decide.topology import Topology
 
-#: Workspace size (tokens) when a workspace is created implicitly on first call.
+#: Workspace size (tokens) when a workspace is created implicitly on first call, and the most it may be set to.
 DEFAULT_MAX_TOKENS = 512
+MAX_WORKSPACE_TOKENS = 1 << 19
 
 ENV_FUSION = "FXFUSE_FUSION"
 ENV_MAX_TOKENS = "FXFUSE_MAX_TOKENS"
@@ -103,6 +104,10 @@ def settings_from_env(environ: Mapping[str, str]) -> FusionSettings:
         max_tokens = 0
     if max_tokens < 1:
         raise ValueError(f"{ENV_MAX_TOKENS}={raw_tokens!r}: expected a positive integer")
+    if max_tokens > MAX_WORKSPACE_TOKENS:
+        raise ValueError(f"{ENV_MAX_TOKENS}={raw_tokens!r}: at most {MAX_WORKSPACE_TOKENS} (a workspace buffer is "
+                         "kept under 1 GiB, which even hidden 1024 in bfloat16 reaches there); larger calls run NCCL "
+                         "and the fused norm anyway")
     topology = (env_setting(ENV_TOPOLOGY, environ) or "auto").lower()
     if topology != "auto" and topology not in {t.value for t in Topology}:
         raise ValueError(f"{ENV_TOPOLOGY}={topology!r}: expected auto, {', '.join(t.value for t in Topology)}")

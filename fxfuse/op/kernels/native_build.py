@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from fxfuse.op.decide.environment import env_setting
+from fxfuse.op.decide.environment import env_setting, switch_setting
 
 SOURCE = Path(__file__).with_name("native_fallback.cpp")
 BUILD_TIMEOUT_S = 600
@@ -38,8 +38,9 @@ log = logging.getLogger(__name__)
 
 
 def native_enabled() -> bool:
-    """False when `FXFUSE_NATIVE=0` asks for the Python kernel only."""
-    return (env_setting("FXFUSE_NATIVE") or "1").lower() not in ("0", "false", "no", "off")
+    """False when `FXFUSE_NATIVE=0` (or false, no, off) asks for the Python kernel only; ValueError for a value
+    that is neither on nor off."""
+    return switch_setting("FXFUSE_NATIVE", True)
 
 
 def cache_dir() -> Path:

@@ -42,7 +42,14 @@ def prepare(
     `fxfuse.op.decide.agreement.ConfigMismatch` on every rank if the ranks' settings, thresholds, tuning
     files, FlashInfer versions or GPU models differ. Calling it again with more tokens makes new
     workspaces and keeps the old ones alive for graphs captured with them.
+
+    It needs CUDA devices: where torch has none (a CPU machine: gloo groups run the op's CPU reference
+    kernel, which has nothing to prepare) it returns False at once. Arguments of the wrong kind raise
+    ValueError (TypeError for a group that is not one) before any rank does anything collective.
     """
+    _check_prepare_arguments(group, hidden_size, dtype, max_tokens)
+    if not torch.cuda.is_available():
+        return False  # the CPU reference kernel: no workspace, no kernel to compile
     group = group if group is not None else dist.group.WORLD
     install_native_fallback()
     config = config_of(group)
@@ -59,6 +66,25 @@ def prepare(
     for residual_dtype in (dtype, None):  # so that a first call during CUDA-graph capture does not compile
         compile_norm_kernel(hidden_size, dtype, dtype, residual_dtype)
     return any(ready)
+
+
+#: The activation dtypes the fused op takes.
+PREPARE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_prepare_arguments(group, hidden_size, dtype, max_tokens) -> None:
+    """One clear error for an argument of `prepare` that cannot be right."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"fxfuse.prepare: group must be a torch.distributed ProcessGroup or None (the world group), "
+                        f"got {type(group).__name__}")
+    if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
+        raise ValueError(f"fxfuse.prepare: hidden_size must be a positive int (the model's hidden size), got {hidden_size!r}")
+    if dtype not in PREPARE_DTYPES:
+        raise ValueError(f"fxfuse.prepare: dtype must be one of {', '.join(map(str, PREPARE_DTYPES))} (a torch.dtype, "
+                         f"the activations'), got {dtype!r}")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+        raise ValueError(f"fxfuse.prepare: max_tokens must be a positive int or None (the FXFUSE_MAX_TOKENS default), "
+                         f"got {max_tokens!r}")
 
 
 def destroy_workspaces(group: dist.ProcessGroup | None = None, graphs_released: bool = False) -> None:
