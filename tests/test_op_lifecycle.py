@@ -291,3 +291,30 @@ def _cpp_refuses_on_rank(ctx, native_cache: str):
 def test_the_cpp_fallback_hands_a_misshapen_weight_to_python_which_refuses_it(native_library):
     for message in run_on_ranks(_cpp_refuses_on_rank, 2, native_library, timeout_s=300):
         assert "weight [1, 8] must be [hidden] = [8]" in message
+
+
+# ---------------------------------------------------------------- issue 41: prepare() as a Python user calls it
+
+
+def test_prepare_on_a_machine_without_cuda_returns_false():
+    """The CPU kernel has nothing to prepare: False at once (it used to die in Triton: "0 active drivers")."""
+    import fxfuse
+    from toy_graphs import fake_process_group
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: prepare() makes workspaces there (tests/gpu)")
+    with fake_process_group() as group:
+        assert fxfuse.prepare(group, 64, torch.bfloat16, 16) is False
+
+
+@pytest.mark.parametrize("arguments, error, message", [
+    ((None, -1, torch.bfloat16), ValueError, "hidden_size must be a positive int (the model's hidden size), got -1"),
+    ((None, 64, "bf16"), ValueError, "dtype must be one of torch.bfloat16, torch.float16, torch.float32"),
+    ((None, 64, torch.bfloat16, 0), ValueError, "max_tokens must be a positive int or None"),
+    (("world", 64, torch.bfloat16), TypeError, "group must be a torch.distributed ProcessGroup or None"),
+], ids=["hidden", "dtype", "max_tokens", "group"])
+def test_prepare_refuses_arguments_that_cannot_be_right(arguments, error, message):
+    import fxfuse
+
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        fxfuse.prepare(*arguments)
