@@ -199,7 +199,7 @@ def users_calling(node: torch.fx.Node, target, first: torch.fx.Node | None = Non
     return [u for u in node.users if is_call(u, target) and (first is None or u.args[0] is first)]
 
 
-def _is_last_dim_mean(mean: torch.fx.Node) -> bool:
+def is_last_dim_mean(mean: torch.fx.Node) -> bool:
     """`mean(t, [-1], keepdim=True)`."""
     keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
     return list(mean.args[1]) == [-1] and keepdim is True
@@ -215,7 +215,7 @@ def find_rmsnorm(hidden: torch.fx.Node, cast_to: torch.dtype | None = None) -> R
             if square.args[1] != 2:
                 continue
             for mean in users_calling(square, MEAN, square):
-                if not _is_last_dim_mean(mean):
+                if not is_last_dim_mean(mean):
                     continue
                 for add_eps in users_calling(mean, ADD, mean):
                     for inverse_rms in users_calling(add_eps, RSQRT, add_eps):
@@ -505,7 +505,7 @@ class _Rewriter:
                 continue
             for mean in users_calling(square, MEAN, square):
                 self._canonicalize_mean(mean)
-                if not _is_last_dim_mean(mean):
+                if not is_last_dim_mean(mean):
                     continue
                 for user in list(mean.users):
                     if is_call(user, ADD_SCALAR) and user.args[0] is mean:  # F.rms_norm's functionalized `add_`

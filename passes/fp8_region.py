@@ -38,6 +38,8 @@ from fxfuse.passes.canonical_form import CAST, is_call, val
 
 aten = torch.ops.aten
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+#: The dtypes a cast to which ends a quantization: FP8 formats and 8-bit integers (only e4m3fn folds).
+QUANTIZED_DTYPES = (*FP8_DTYPES, torch.int8, torch.uint8)
 SYM_SIZE = aten.sym_size.int
 
 ELEMENTWISE = frozenset({
@@ -93,7 +95,8 @@ class Region:
 
 
 def casts_to_fp8_soon(value: torch.fx.Node, depth: int = 8) -> bool:
-    """Whether some node within `depth` uses of `value` converts to an FP8 dtype."""
+    """Whether some node within `depth` uses of `value` converts to an FP8 (or 8-bit integer) dtype: a
+    quantization, which folds if it is FP8 e4m3's (`quantization_region` says why not otherwise)."""
     frontier = {value}
     for _ in range(depth):
         frontier = {user for node in frontier for user in node.users}
@@ -110,7 +113,7 @@ def quantization_region(fused: torch.fx.Node, normed: torch.fx.Node) -> Region:
     if not casts:
         raise NotFused(_blocked(normed))
     if len(casts) != 1:
-        raise NotFused(f"the norm's output is cast to FP8 {len(casts)} times")
+        raise NotFused(f"the norm's output is cast to FP8 or 8-bit integers {len(casts)} times")
     (cast,) = casts
     if _fp8_cast_dtype(cast) != torch.float8_e4m3fn:
         raise NotFused(f"the quantization casts to {_fp8_cast_dtype(cast)}, not float8_e4m3fn: only FP8 e4m3 "
@@ -171,10 +174,10 @@ def _reads_sizes_of_normed_shape(node: torch.fx.Node, data: set, normed: torch.f
 
 
 def _fp8_cast_dtype(node) -> torch.dtype | None:
-    """The FP8 dtype a cast node converts to, or None."""
-    if is_call(node, CAST) and node.args[1] in FP8_DTYPES:
+    """The FP8 or 8-bit integer dtype a cast node converts to (`QUANTIZED_DTYPES`), or None."""
+    if is_call(node, CAST) and node.args[1] in QUANTIZED_DTYPES:
         return node.args[1]
-    if is_call(node, aten._to_copy.default) and node.kwargs.get("dtype") in FP8_DTYPES:
+    if is_call(node, aten._to_copy.default) and node.kwargs.get("dtype") in QUANTIZED_DTYPES:
         return node.kwargs["dtype"]
     return None
 

@@ -82,7 +82,7 @@ def _epilogue_reason(fused: torch.fx.Node, reader: torch.fx.Node) -> str:
     """Why a fused site goes to tier (b): what reads its norm's output."""
     why_unfolded = fused.meta.get(FP8_REASON)
     if why_unfolded is not None:
-        return (f"its norm's output feeds an FP8 quantization the fused op cannot fold ({why_unfolded}); Inductor "
+        return (f"its norm's output feeds a quantization the fused op cannot fold ({why_unfolded}); Inductor "
                 "fuses it into the norm's kernel, so the add and norm stay with Inductor after a fast all-reduce")
     return (f"its norm's output feeds {describe(reader)}, which Inductor fuses into the norm's kernel and the fused "
             "op cannot, so the add and norm stay with Inductor after a fast all-reduce")

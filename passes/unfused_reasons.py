@@ -11,7 +11,7 @@ the all-reduce and one (a reshape that changes the hidden dimension, a cast, the
 is then in another compiled graph).
 
 Where the passes know what would fuse the site, the sentence ends with it (`NO_GRAD_ADVICE`,
-`WHOLE_STACK_ADVICE`). `reason_kind(reason)` blanks the nodes a sentence names, so that the sites
+`WHOLE_STACK_ADVICE`, `FULLGRAPH_ADVICE`). `reason_kind(reason)` blanks the nodes a sentence names, so that the sites
 of a graph blocked the same way can be counted together.
 """
 
@@ -27,11 +27,15 @@ from fxfuse.passes.allreduce_rmsnorm_fusion import INPUT_ROLES, NormSpelling, en
 from fxfuse.passes.canonical_form import (
     ADD,
     CAST,
+    MEAN,
     MUL,
+    POW,
+    RSQRT,
     RMSNormNodes,
     canonicalize_norms,
     find_rmsnorm,
     is_call,
+    is_last_dim_mean,
     is_reshape,
     is_same_shape_add,
     is_summed_wait,
@@ -45,6 +49,7 @@ from fxfuse.passes.config import ALLREDUCE_RESIDUAL_RMSNORM, ALLREDUCE_RMSNORM, 
 from fxfuse.passes.pattern_support import WAIT_TENSOR, changing_keyword, op_name
 
 REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+COPY_ = torch.ops.aten.copy_.default
 
 #: Advice for a norm whose inside is a forward graph output because autograd saves it.
 NO_GRAD_ADVICE = "compile under torch.no_grad() or torch.inference_mode()"
@@ -52,6 +57,12 @@ NO_GRAD_ADVICE = "compile under torch.no_grad() or torch.inference_mode()"
 WHOLE_STACK_ADVICE = (
     "if the next compiled graph applies the RMSNorm (torch.compile on each decoder block, as torchtitan "
     "does), the norm is in another graph: compile the whole stack as one graph"
+)
+#: The same for a function compiled with fullgraph=True: it is one graph already, so the norm can only be in a
+#: function compiled apart.
+FULLGRAPH_ADVICE = (
+    "where a function compiled apart applies the RMSNorm (torch.compile on each decoder block, as torchtitan does), "
+    "compile the all-reduce and the norm in one function"
 )
 
 
@@ -104,6 +115,12 @@ def _fusion_blocker(all_reduce, reduced, norm: RMSNormNodes, residual, config: P
                            None if config.fuse_without_fast_kernel else all_reduce.args[2])
     if refusal is not None:
         return refusal
+    written_back = next((user for user in reduced.users if is_call(user, COPY_) and user.args[1] is reduced), None)
+    if written_back is not None and written_back.args[0].op == "placeholder":
+        return (f"the all-reduce writes its result back into the graph input `{written_back.args[0].name}` "
+                f"(`{written_back.name}`: an in-place all_reduce of an input): the fused op returns the sum plus the "
+                "residual and its norm, not the all-reduced value itself; all-reduce a tensor the function computes "
+                "(as a row-parallel projection's output), which fuses")
     if with_residual and len(reduced.users) > 1:
         return "the all-reduced value is also used apart from the residual add"
     upcasts = [user for user in reduced.users if is_upcast(user, reduced)] if upcast else []
@@ -195,10 +212,48 @@ def _missing_norm_reason(reduced: torch.fx.Node, adds: list[torch.fx.Node], conf
                 return (f"`{user.name}` scales the all-reduced value before the RMSNorm: the fused op norms the sum "
                         "itself (scaling each rank's part before the all-reduce would round differently)")
     for value in [reduced] + adds:
+        reordered = _weight_first_norm(value)
+        if reordered is not None:
+            return reordered
+    for value in [reduced] + adds:
         if any(user.op == "output" for user in value.users):
             what = "the all-reduced value" if value is reduced else "the all-reduced value plus residual"
+            if _compiled_as_one_graph():
+                return (f"`{value.name}` ({what}) is returned from the graph and no RMSNorm follows it here (the function "
+                        f"was compiled with fullgraph=True): {FULLGRAPH_ADVICE}")
             return f"`{value.name}` ({what}) is returned from the graph and no RMSNorm follows it here: {WHOLE_STACK_ADVICE}"
     return "no RMSNorm follows" + (" the all-reduce or its residual add" if adds else "")
+
+
+def _weight_first_norm(value: torch.fx.Node) -> str | None:
+    """Why an RMSNorm of `value` that multiplies in its weight in another order than the fused op does
+    (`w * x * rsqrt(...)`, `x * (w * rsqrt(...))`) does not fuse; None when no such norm reads `value`."""
+    for computed in [value, *(user for user in value.users if is_call(user, CAST))]:
+        for square in computed.users:
+            if not (is_call(square, POW) and square.args[1] == 2):
+                continue
+            for mean in (u for u in square.users if is_call(u, MEAN) and is_last_dim_mean(u)):
+                for add_eps in (u for u in mean.users if is_call(u, ADD)):
+                    for inverse in (u for u in add_eps.users if is_call(u, RSQRT)):
+                        products = [u for u in inverse.users if is_call(u, MUL)] + \
+                            [u for u in computed.users if is_call(u, MUL) and u is not square]
+                        if products:
+                            return (f"the RMSNorm of `{value.name}` multiplies its weight in another order than "
+                                    f"`(x * rsqrt(mean(x**2) + eps)) * weight` (`{products[0].name}`: the weight times "
+                                    "x or times the rsqrt first), which rounds differently: the fused op "
+                                    "computes that order only; write the norm `x * rsqrt(...) * weight` (or `weight * "
+                                    "(x * rsqrt(...))`) to fuse it")
+    return None
+
+
+def _compiled_as_one_graph() -> bool:
+    """Whether the compile running now was asked for one graph (`fullgraph=True`); False outside dynamo."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return bool(getattr(InstructionTranslator.current_tx(), "one_graph", False))
+    except Exception:  # noqa: BLE001 - no dynamo compile is running (a graph given to the passes directly)
+        return False
 
 
 def _normed_soon(value: torch.fx.Node) -> bool:
@@ -232,7 +287,7 @@ def normed_inputs(graph: torch.fx.Graph) -> list[str]:
 
 def needs_another_graph(reason: str | None) -> bool:
     """Whether `reason` says the site's sum leaves its graph with no RMSNorm after it (see `in_another_graph`)."""
-    return reason is not None and reason.endswith(WHOLE_STACK_ADVICE)
+    return reason is not None and reason.endswith((WHOLE_STACK_ADVICE, FULLGRAPH_ADVICE))
 
 
 def in_another_graph(reason: str, normed: list[tuple[int, str]]) -> str:
@@ -241,7 +296,7 @@ def in_another_graph(reason: str, normed: list[tuple[int, str]]) -> str:
     if not needs_another_graph(reason) or not normed:
         return reason
     graph, name = normed[0]
-    return reason.removesuffix(WHOLE_STACK_ADVICE) + (
+    return reason.removesuffix(WHOLE_STACK_ADVICE).removesuffix(FULLGRAPH_ADVICE) + (
         f"graph {graph} applies an RMSNorm to its input `{name}`, so the norm is in another graph (or a later "
         "run of this one, as with torch.compile on each decoder block): compile the whole stack as one graph")
 

@@ -500,7 +500,9 @@ def test_inplace_all_reduce_of_a_graph_input_is_not_fused(group):
 
     rewrite_unchanged(
         reduce_input_in_place, torch.randn(4, 16), torch.randn(4, 16), torch.randn(16),
-        reason="the all-reduced value is also used apart from the residual add",
+        reason="the all-reduce writes its result back into the graph input `arg0_1` (`copy_`: an in-place all_reduce "
+               "of an input): the fused op returns the sum plus the residual and its norm, not the all-reduced value "
+               "itself; all-reduce a tensor the function computes (as a row-parallel projection's output), which fuses",
     )
 
 

@@ -326,7 +326,8 @@ def test_report_compiled_one_graph_per_block_says_the_norm_is_in_another_graph()
                                        fullgraph=True)
     assert [(row.block, row.fused) for row in block_report.sites] == [("attention", True), ("MLP", False)]
     assert re.fullmatch(
-        r"`\w+` \(the all-reduced value plus residual\) is returned from the graph and no RMSNorm follows it here: "
+        r"`\w+` \(the all-reduced value plus residual\) is returned from the graph and no RMSNorm follows it here "
+        r"\(the function was compiled with fullgraph=True\): "
         r"graph 0 applies an RMSNorm to its input `\w+`, so the norm is in another graph \(or a later run of this "
         r"one, as with torch\.compile on each decoder block\): compile the whole stack as one graph",
         block_report.sites[1].reason)
