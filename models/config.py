@@ -20,6 +20,9 @@ from typing import Any
 #: Fields a config.json must name: without them it describes no model (an empty `{}` would silently
 #: read as the full DeepSeek-V3 of DeepseekV3Config's defaults).
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+#: The config.json model types and architectures that are DeepSeek-V3's architecture (Kimi-K2 keeps it).
+SUPPORTED_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 #: Integer fields that may be 0 (every other integer size must be at least 1).
 ZERO_ALLOWED = frozenset({"n_shared_experts", "first_k_dense_replace"})
 
@@ -206,6 +209,12 @@ class ModelConfig:
             if not isinstance(hf["text_config"], dict):
                 raise ValueError(f"text_config must be a JSON object, not a {_json_type(hf['text_config'])}")
             hf = hf["text_config"]
+        model_type, architectures = hf.get("model_type"), hf.get("architectures") or []
+        if (model_type is not None or architectures) and model_type not in SUPPORTED_MODEL_TYPES and \
+                not set(architectures) & set(SUPPORTED_ARCHITECTURES):
+            raise ValueError(f"config.json is of model_type {model_type!r} (architectures {', '.join(architectures) or 'none'}): "
+                             f"fxfuse's reference model is DeepSeek-V3's, and reads model_type {' or '.join(SUPPORTED_MODEL_TYPES)} "
+                             f"({', '.join(SUPPORTED_ARCHITECTURES)}; Kimi-K2.5's wrapper through its text_config)")
         missing = [name for name in REQUIRED_FIELDS if name not in hf]
         if missing:
             raise ValueError(f"config.json has no {', '.join(missing)}: not a DeepSeek-V3 model config")

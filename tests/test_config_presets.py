@@ -148,3 +148,29 @@ def test_real_presets_fit_eight_way_tensor_parallel():
 def test_unsupported_configs_are_rejected(change, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf_dict({**DEEPSEEK_V3_CONFIG_JSON, **change})
+
+
+LLAMA_CONFIG_JSON = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 128}
+
+
+def test_a_config_of_another_model_type_is_refused_naming_the_supported_ones():
+    """Issue 41: a Llama config.json (its 4 KV heads equal its 4 heads) used to be read as a DeepSeek-V3 it made up."""
+    with pytest.raises(ValueError, match=r"config.json is of model_type 'llama' \(architectures LlamaForCausalLM\): fxfuse's "
+                                         r"reference model is DeepSeek-V3's, and reads model_type deepseek_v3 or kimi_k2"):
+        ModelConfig.from_hf_dict(LLAMA_CONFIG_JSON)
+    kimi = {**DEEPSEEK_V3_CONFIG_JSON, "model_type": "kimi_k2"}
+    assert ModelConfig.from_hf_dict(kimi) == ModelConfig.from_hf_dict(DEEPSEEK_V3_CONFIG_JSON)
+
+
+@pytest.mark.parametrize("command", ["report", "run"])
+def test_report_and_run_refuse_another_model_type_in_one_line(command, tmp_path, capsys):
+    import json
+
+    from fxfuse.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_CONFIG_JSON))
+    assert main([command, "--checkpoint", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "config.json is of model_type 'llama'" in err, err
+
