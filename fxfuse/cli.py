@@ -39,7 +39,9 @@ DTYPE_CHOICES = tuple(DTYPE_BYTES)
 INTERRUPTED_STATUS = 128 + signal.SIGINT
 TERMINATED_STATUS = 128 + signal.SIGTERM
 #: How the summary names each `--weights` format.
-WEIGHT_DESCRIPTIONS = {"bf16": "not quantized", "fp8": "FP8 blocks", "int4": "INT4 routed experts"}
+#: How the summary says what the weights are held as, beside the run's dtype.
+WEIGHT_DESCRIPTIONS = {"bf16": "weights not quantized (held in {dtype})", "fp8": "weights in FP8 blocks",
+                       "int4": "routed experts in INT4 (the rest in {dtype})"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -175,14 +177,16 @@ def format_run_summary(summary: dict) -> str:
         backend += f" (fusion passes, then {summary['inner_compiler']})"
     steps, width = summary["steps"], summary["tokens_per_step"]
     lines = [
-        f"model {summary['model']} ({summary['layers']} layers), tp={summary['tp']} on {summary['device']}, {summary['dtype']}, "
-        f"weights {summary['weights']} ({WEIGHT_DESCRIPTIONS[summary['weights']]}), backend {backend}, {graphs}",
+        f"model {summary['model']} ({summary['layers']} layers), tp={summary['tp']} on {summary['device']}, {summary['dtype']} "
+        f"activations, {WEIGHT_DESCRIPTIONS[summary['weights']].format(dtype=summary['dtype'])}, backend {backend}, {graphs}",
     ]
     if summary["fused_sites"] is not None:
         lines.append(_fusion_line(summary))
+    verified = summary.get("verified_tokens_per_s")
     lines.append(f"batch {summary['batch']}, prompt {summary['prompt_len']}, {_count(steps, 'step')} of "
                  f"{_count(width, 'token')}: step {summary['step_ms']:.2f} ms median, "
-                 f"{summary['step_ms_p90']:.2f} ms p90, {summary['tokens_per_s']:,.0f} tokens/s")
+                 f"{summary['step_ms_p90']:.2f} ms p90, {summary['tokens_per_s']:,.0f} tokens/s generated"
+                 + (f" ({verified:,.0f} tokens/s verified, drafts included)" if width > 1 and verified else ""))
     if summary["peak_gpu_mem_gb"] is not None:
         lines.append(f"peak GPU memory (rank 0): {summary['peak_gpu_mem_gb']:.2f} GB")
     lines.append(f"tokens (sequence 0): {summary['tokens']}")
@@ -213,16 +217,23 @@ def _fusion_line(summary: dict) -> str:
 def _compare_line(summary: dict) -> str:
     """The `--compare` check with its verdict: the largest error against the bound the model benchmark
     uses (`fxfuse.runner.sensitivity.check_bound`)."""
-    from fxfuse.runner.sensitivity import SENSITIVITY_FACTOR, TOLERANCE
+    import torch
+
+    from fxfuse.runner.sensitivity import SENSITIVITY_FACTOR, TOLERANCE, tolerance
 
     compare, bound, sensitivity = summary["compare"], summary["max_rel_err_bound"], summary["eager_sensitivity"]
     verdict = "ok, within" if summary["compare_ok"] else "FAILED, above"
     if sensitivity is None:
         rule = f"a fixed {TOLERANCE:g}; the model's sensitivity is measured with --compare eager only"
     else:
-        rule = f"the larger of {TOLERANCE:g} and {SENSITIVITY_FACTOR:g} x the model's own sensitivity to rounding, {sensitivity:.1e}"
+        rule = (f"the larger of {tolerance(getattr(torch, summary['dtype'])):.2g} and {SENSITIVITY_FACTOR:g} x the model's own "
+                f"sensitivity to a half rounding step of {summary['dtype']}, {sensitivity:.1e}")
+    broken = summary.get("reference_nonfinite") or 0
+    note = (f" (the uncompiled reference's own logits are NaN or infinite at up to {broken} places per step, and the "
+            "compiled run's at the same places: the weights or inputs are broken, not the compile; the error is over "
+            "the finite logits)") if broken and summary["compare_ok"] else ""
     return (f"max relative error vs {compare} ({COMPARE_DESCRIPTIONS[compare]}): {summary['max_rel_err']:.3e}: "
-            f"{verdict} the bound {bound:.3g} ({rule})")
+            f"{verdict} the bound {bound:.3g} ({rule}){note}")
 
 
 def _count(n: int, noun: str) -> str:

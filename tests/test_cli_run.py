@@ -104,6 +104,22 @@ def test_multi_token_verify_steps_generate_the_greedy_sequence():
     assert len(four["accepted_drafts"]) == 3 and all(0 <= k <= 3 for k in accepted)
     assert len(four["tokens"]) == 1 + sum(k + 1 for k in accepted)
     assert f"drafts accepted per step (sequence 0, of 3): {', '.join(map(str, accepted))};" in format_run_summary(four)
+    # tokens/s counts what the steps generate (accepted drafts + 1 per sequence), not the drafts they read
+    generated = sum(sum(k + 1 for k in step) for step in four["accepted_drafts"]) / len(four["accepted_drafts"])
+    assert four["tokens_per_s"] == pytest.approx(generated * 1000 / four["step_ms"])
+    assert four["verified_tokens_per_s"] == pytest.approx(four["batch"] * 4 * 1000 / four["step_ms"])
+    assert f"{four['tokens_per_s']:,.0f} tokens/s generated ({four['verified_tokens_per_s']:,.0f} tokens/s verified" \
+        in format_run_summary(four)
+
+
+def test_tokens_per_second_counts_no_draft_that_was_not_accepted():
+    """Issue 41: 4-token steps with no draft accepted generate one token per sequence per step, not four."""
+    summary = {"rank": 0, "tp": 2, "device": "cpu", "backend": "eager", "inner_compiler": None, "dtype": "float32",
+               "weights": "bf16", "model": "tiny", "layers": 4, "batch": 2, "prompt_len": 12, "tokens_per_step": 4,
+               "steps": 2, "cuda_graph": False, "graph_widths": [], "compare": "none", "step_ms": 10.0, "step_ms_p90": 10.0,
+               "tokens_per_s": 200.0, "verified_tokens_per_s": 800.0, "peak_gpu_mem_gb": None, "fused_sites": None,
+               "tokens": [1, 2, 3], "accepted_drafts": [[0, 0], [0, 0]]}
+    assert "200 tokens/s generated (800 tokens/s verified, drafts included)" in format_run_summary(summary)
 
 
 @pytest.mark.parametrize(

@@ -42,6 +42,6 @@ def test_the_perturbation_is_small_reproducible_and_removed_after_its_block():
 
 
 def test_the_bound_is_the_tolerance_or_a_multiple_of_the_sensitivity():
-    assert check_bound(None) == TOLERANCE == check_bound(0.0)
+    assert check_bound(None) == TOLERANCE == check_bound(0.0) == check_bound(None, torch.float32)
     assert check_bound(0.02) == TOLERANCE  # bf16-like sensitivity: the fixed tolerance
     assert check_bound(0.104) == pytest.approx(SENSITIVITY_FACTOR * 0.104)  # w8a8 DeepSeek-V3 layers on the H200

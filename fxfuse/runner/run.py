@@ -132,10 +132,13 @@ def run_rank(ctx: ParallelContext, setup: RunSetup) -> dict:
         "graph_widths": list(setup.graph_widths),
         "step_replayed": setup.cuda_graph and width in setup.graph_widths,
         "compare": options.compare,
-        **compare_verdict(checks),
+        **compare_verdict(checks, getattr(torch, options.dtype)),
+        "reference_nonfinite": None if reference is None else reference.nonfinite,
         "step_ms": step_ms,
         "step_ms_p90": 1000 * _percentile(step_seconds, 0.9),
-        "tokens_per_s": options.batch * width * 1000 / step_ms,
+        # generated tokens (each step's accepted drafts + 1 per sequence), per second of the median step
+        "tokens_per_s": statistics.mean(sum(k + 1 for k in step) for step in accepted_per_step) * 1000 / step_ms,
+        "verified_tokens_per_s": options.batch * width * 1000 / step_ms,  # every token a step reads, drafts too
         "peak_gpu_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
         **fusion,
         "fused_op": fused_op_ran(device.type, fusion["fused_sites"]),
@@ -222,17 +225,17 @@ def describe_fusion_stats(stats: dict) -> str:
     return f"{listed} (calls issued from Python; CUDA-graph replays are not counted)"
 
 
-def compare_verdict(checks: list[tuple[float | None, float | None]]) -> dict:
+def compare_verdict(checks: list[tuple[float | None, float | None]], dtype: torch.dtype | None = None) -> dict:
     """The summary's check fields from each step's (error, sensitivity) (`build_reference(...).check`):
     `max_rel_err` (the largest error), `eager_sensitivity` (the largest sensitivity over the steps, the
     model's over the run, as the largest error is the run's; None without one), `max_rel_err_bound`
-    (`check_bound` of it: the model benchmark's rule) and `compare_ok` (the largest error within that
-    bound); all None without a comparison (`--compare none`, or `--compare hf` off rank 0)."""
+    (`check_bound` of it for a run in `dtype`) and `compare_ok` (the largest error within that bound); all None
+    without a comparison (`--compare none`, or `--compare hf` off rank 0)."""
     errors = [e for e, _ in checks if e is not None]
     if not errors:
         return {"max_rel_err": None, "eager_sensitivity": None, "max_rel_err_bound": None, "compare_ok": None}
     sensitivity = max((s for _, s in checks if s is not None), default=None)
-    bound = check_bound(sensitivity)
+    bound = check_bound(sensitivity, dtype)
     return {"max_rel_err": max(errors), "eager_sensitivity": sensitivity, "max_rel_err_bound": bound,
             "compare_ok": max(errors) <= bound}
 

@@ -17,18 +17,27 @@ from typing import Iterator
 
 import torch
 
-#: Relative noise put on each element of the first decoder layer's input: half a bf16 rounding step.
+#: Relative noise put on each element of the first decoder layer's input: half a bf16 rounding step (the models
+#: benchmarked and served run in bf16); `perturbation(dtype)` is half a rounding step of another dtype.
 PERTURBATION = 2.0 ** -9
+
+
+def perturbation(dtype: torch.dtype) -> float:
+    """Half a rounding step of `dtype` (relative): the noise that measures what rounding in it does to a model."""
+    return float(torch.finfo(dtype).eps) / 2
 #: A backend may differ from eager by this many times the model's own sensitivity...
 SENSITIVITY_FACTOR = 3.0
-#: ...or by this much, whichever is larger (catches broken outputs, errors of order 1).
+#: ...or by this much, whichever is larger (catches broken outputs, errors of order 1), for 16-bit runs and where
+#: no sensitivity was measured: in 16-bit, one rounding step can flip a MoE routing choice;
 TOLERANCE = 0.1
+#: in float32, where a run can tell far smaller differences, by 16 float32 rounding steps.
+FLOAT32_TOLERANCE = 16 * float(torch.finfo(torch.float32).eps)
 
 
 @contextlib.contextmanager
-def perturbed_input(model: torch.nn.Module, seed: int = 0) -> Iterator[None]:
+def perturbed_input(model: torch.nn.Module, seed: int = 0, size: float = PERTURBATION) -> Iterator[None]:
     """Within the block, `model` (a DeepseekV3ForCausalLM, eager) multiplies its first decoder layer's
-    input by (1 + PERTURBATION * N(0, 1)) per element, from a generator seeded with `seed` on entry."""
+    input by (1 + size * N(0, 1)) per element, from a generator seeded with `seed` on entry."""
     first_layer = model.model.layers[0]
     generator: torch.Generator | None = None
 
@@ -38,7 +47,7 @@ def perturbed_input(model: torch.nn.Module, seed: int = 0) -> Iterator[None]:
         if generator is None:
             generator = torch.Generator(device=hidden.device).manual_seed(seed)
         noise = torch.randn(hidden.shape, generator=generator, device=hidden.device, dtype=torch.float32)
-        return ((hidden.float() * (1 + PERTURBATION * noise)).to(hidden.dtype), *inputs[1:])
+        return ((hidden.float() * (1 + size * noise)).to(hidden.dtype), *inputs[1:])
 
     handle = first_layer.register_forward_pre_hook(perturb)
     try:
@@ -47,6 +56,13 @@ def perturbed_input(model: torch.nn.Module, seed: int = 0) -> Iterator[None]:
         handle.remove()
 
 
-def check_bound(sensitivity: float | None) -> float:
-    """The largest relative L2 distance from eager's logits that a backend's logits may have."""
-    return TOLERANCE if sensitivity is None else max(TOLERANCE, SENSITIVITY_FACTOR * sensitivity)
+def tolerance(dtype: torch.dtype | None) -> float:
+    """The least bound of a check of a run in `dtype` (None: a 16-bit one's)."""
+    return FLOAT32_TOLERANCE if dtype == torch.float32 else TOLERANCE
+
+
+def check_bound(sensitivity: float | None, dtype: torch.dtype | None = None) -> float:
+    """The largest relative distance from eager's logits that a backend's logits may have: SENSITIVITY_FACTOR
+    times the model's sensitivity (measured with half a rounding step of the run's dtype), at least
+    `tolerance(dtype)`; TOLERANCE where no sensitivity was measured."""
+    return TOLERANCE if sensitivity is None else max(tolerance(dtype), SENSITIVITY_FACTOR * sensitivity)

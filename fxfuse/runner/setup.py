@@ -20,7 +20,7 @@ from fxfuse.models.quant.checkpoint import quantize_state_dict
 from fxfuse.models.random_weights import init_random_shards, random_hf_state_dict
 from fxfuse.models.weights import DictSource, SafetensorsSource, load_weights
 from fxfuse.runner.options import RunSetup
-from fxfuse.runner.sensitivity import perturbed_input
+from fxfuse.runner.sensitivity import perturbation, perturbed_input
 
 #: `--dtype` names -> torch dtypes.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,9 +52,21 @@ def build_reference(setup: RunSetup, ctx: ParallelContext, device: torch.device)
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| / max |expected|, in float64."""
+    """max |actual - expected| / max |expected| over the values `expected` has finite, in float64; inf when the
+    two are not NaN or infinite at the same places (the compiled run broke, or mended, values)."""
     actual, expected = actual.double(), expected.double()
-    return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
+    finite = torch.isfinite(expected)
+    if not torch.equal(finite, torch.isfinite(actual)) or not torch.equal(actual[~finite].nan_to_num(1.0),
+                                                                          expected[~finite].nan_to_num(1.0)):
+        return float("inf")
+    if not finite.any():
+        return 0.0
+    return float((actual - expected)[finite].abs().max() / expected[finite].abs().max().clamp_min(1e-30))
+
+
+def nonfinite(values: torch.Tensor) -> int:
+    """How many of `values` are NaN or infinite."""
+    return int((~torch.isfinite(values)).sum())
 
 
 class EagerReference:
@@ -62,18 +74,21 @@ class EagerReference:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
+        self.nonfinite = 0  # the most NaN or infinite logits the model itself gave in one step
 
     @torch.inference_mode()
     def check(self, input_ids, positions, logits) -> tuple[float, float]:
         """(error of `logits` against the eager model fed the same step, the eager model's own sensitivity
-        at this step: the error of its logits when its first layer's input is perturbed by half a bf16
-        rounding step, `fxfuse.runner.sensitivity.perturbed_input`). The perturbed step runs first: the
+        at this step: the error of its logits when its first layer's input is perturbed by half a rounding
+        step of the activations' dtype, `fxfuse.runner.sensitivity.perturbed_input`). The perturbed step runs first: the
         plain one then overwrites the KV-cache positions it wrote."""
         device = next(self.model.parameters()).device
         input_ids, positions = input_ids.to(device), positions.to(device)
-        with perturbed_input(self.model):
+        dtype = self.model.model.embed_tokens.weight.dtype  # the activations'
+        with perturbed_input(self.model, size=perturbation(dtype)):
             perturbed = self.model(input_ids, positions).float().cpu()
         expected = self.model(input_ids, positions).float().cpu()
+        self.nonfinite = max(self.nonfinite, nonfinite(expected))
         return relative_error(logits, expected), relative_error(perturbed, expected)
 
 
@@ -86,6 +101,7 @@ class HuggingFaceReference:
 
     def __init__(self, setup: RunSetup, active: bool):
         self.model = _load_transformers_model(setup) if active else None
+        self.nonfinite = 0  # the most NaN or infinite logits transformers' model gave in one step
         o = setup.options
         self.history = torch.zeros(o.batch, setup.max_seq_len, dtype=torch.long)
 
@@ -100,6 +116,7 @@ class HuggingFaceReference:
         for b in range(input_ids.shape[0]):
             length = int(positions[b].max()) + 1
             expected = self.model(input_ids=self.history[b : b + 1, :length]).logits[0, positions[b]]
+            self.nonfinite = max(self.nonfinite, nonfinite(expected))
             worst = max(worst, relative_error(logits[b], expected))
         return worst, None
 
