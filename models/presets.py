@@ -147,6 +147,9 @@ _CONFIGS = {"tiny": TINY, "deepseek-v3": DEEPSEEK_V3, "kimi-k2": KIMI_K2, "kimi-
 
 #: Names `get_preset` accepts.
 PRESETS = tuple(_CONFIGS)
+#: The weight formats each model's published checkpoints come in (besides bf16, which any can be dequantized to):
+#: DeepSeek-V3 and Kimi-K2 ship FP8 blocks, Kimi-K2.5 INT4 routed experts; the tiny test model any format.
+PUBLISHED_FORMATS = {"tiny": ("fp8", "int4"), "deepseek-v3": ("fp8",), "kimi-k2": ("fp8",), "kimi-k2.5": ("int4",)}
 #: Presets that are the text model of a multimodal checkpoint: their vision encoder is no part of the
 #: config, so nothing built from them (the model, the memory plan) holds or counts it.
 TEXT_OF_MULTIMODAL = frozenset({"kimi-k2.5"})

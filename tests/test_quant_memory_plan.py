@@ -92,6 +92,14 @@ def test_not_fitting_says_what_would():
     plan.check(plan.total_bytes, TINY_ALIGNED)  # exactly enough: no error
 
 
+def test_a_preset_is_offered_only_the_formats_its_checkpoints_come_in(capsys):
+    """Issue 41: DeepSeek-V3 was offered `--weights int4`, the format of Kimi-K2.5's checkpoints, not of its own."""
+    argv = ["plan", "--preset", "deepseek-v3", "--weights", "bf16", "--tp", "8", "--gpu-memory-gb", "96"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "would fit: " in err and "--weights fp8" in err and "int4" not in err, err
+
+
 def test_plan_command_prints_and_exits_by_fit(tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main(["plan", "--preset", "kimi-k2.5", "--weights", "int4", "--tp", "8", "--gpu-memory-gb", "96", "--json", str(out)]) == 0

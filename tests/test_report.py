@@ -306,6 +306,17 @@ def test_report_compiled_whole_stack_fuses_every_site():
     assert report.model == "ToyStack" and report.dtype == "float32"
 
 
+def test_report_compiled_of_code_without_decoder_layers_counts_none():
+    """Issue 41: a plain block (no decoder-layer index in its module names) used to be reported as "0 layers"."""
+    from toy_graphs import decoder_inputs, toy_decoder, RMSNORMS
+
+    with fake_process_group(2) as group, torch.no_grad():
+        report = report_compiled(lambda *a: toy_decoder(*a, group=group, norm=RMSNORMS["transformers"]),
+                                 *decoder_inputs(torch.float32), name="toy_decoder", fullgraph=True)
+    assert report.layers is None and report.to_json()["layers"] is None
+    assert report.table().splitlines()[-1].startswith("toy_decoder (tp=2, float32): 4 of 4 all-reduce sites fused")
+
+
 def test_report_compiled_with_grad_enabled_says_why():
     """With grad enabled the forward graph saves the norms' intermediates for backward: nothing fuses,
     and every row says so, naming the saved node."""

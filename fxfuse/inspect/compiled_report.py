@@ -29,7 +29,8 @@ def report_compiled(
 
     `compile_kwargs` go to `torch.compile` as given (e.g. `fullgraph=True`, `dynamic=True`); dynamo's
     caches are reset before and after. `name` labels the report (default: the class or function
-    name); `layers` is the number of distinct decoder-layer indices among the sites, `tp` the default
+    name); `layers` is the number of distinct decoder-layer indices among the sites (None for code with no
+    decoder layers, a block), `tp` the default
     group's world size (1 without one) and `dtype` that of `fn`'s first floating-point parameter or
     input.
     """
@@ -43,7 +44,7 @@ def report_compiled(
         torch._dynamo.reset()
     if not backend.records:
         raise RuntimeError("torch.compile made no graph for the fxfuse passes (nothing was compiled)")
-    layers = len({row.layer for row in backend.sites if row.layer is not None})
+    layers = len({row.layer for row in backend.sites if row.layer is not None}) or None  # a plain block: none known
     return summarize(backend, seconds, model=name or _label(fn), layers=layers, tp=_world_size(),
                      dtype=_floating_dtype(fn, example_inputs))
 

@@ -101,7 +101,7 @@ class FusionReport:
     """
 
     model: str
-    layers: int
+    layers: int | None  # None: code with no decoder layers (`report_compiled` of a block)
     tp: int
     dtype: str
     allreduce_sites: int
@@ -134,7 +134,7 @@ class FusionReport:
         if self.runtime:
             lines.append(self.runtime)
         lines.append(
-            f"{self.model} ({self.layers} layers, tp={self.tp}, {self.dtype}): {self.fused_sites} of "
+            f"{self.model} ({'' if self.layers is None else f'{self.layers} layers, '}tp={self.tp}, {self.dtype}): {self.fused_sites} of "
             f"{self.allreduce_sites} all-reduce sites fused ({self.fused_ops} fused ops, {self.merged} merges), "
             f"tiers a/b/c: {'/'.join(str(sum(row.tier == t for row in self.sites)) for t in 'abc')}; "
             f"trace {self.trace_seconds:.1f} s, pass {self.pass_seconds:.2f} s"
@@ -298,7 +298,7 @@ def report_model(
     return summarize(backend, seconds, model=name, layers=config.num_hidden_layers, tp=tp, dtype=dtype)
 
 
-def summarize(backend: SiteTracingBackend, compile_seconds: float, *, model: str, layers: int, tp: int,
+def summarize(backend: SiteTracingBackend, compile_seconds: float, *, model: str, layers: int | None, tp: int,
               dtype: torch.dtype) -> FusionReport:
     """The `FusionReport` of a `trace_sites` run (summed over its graphs when it compiled several)."""
     records: list[CompileRecord] = backend.records

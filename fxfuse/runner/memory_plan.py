@@ -288,12 +288,20 @@ def alternatives(config: ModelConfig, inputs: PlanInputs, available: int, model:
         more_ranks = [tp for tp in TP_CHOICES if tp > inputs.tp and fits(tp=tp)]
         if more_ranks:
             found.append(f"--tp {more_ranks[0]}")
-    formats = [fmt for fmt in WEIGHT_FORMATS if fmt != inputs.weights and fits(weights=fmt)]
+    formats = [fmt for fmt in _formats_of(model) if fmt != inputs.weights and fits(weights=fmt)]
     if formats:
         found.append("--weights " + " or ".join(formats))
     if inputs.reference_copy and fits(reference_copy=False):
         found.append("--compare none (no eager copy of the model)")
     return found
+
+
+def _formats_of(model: str) -> tuple[str, ...]:
+    """The weight formats worth suggesting for `model`: for a preset, bf16 and the formats its checkpoints are
+    published in (DeepSeek-V3's INT4 is no checkpoint anyone ships); for another model, every format."""
+    from fxfuse.models.presets import PUBLISHED_FORMATS
+
+    return ("bf16", *PUBLISHED_FORMATS[model]) if model in PUBLISHED_FORMATS else WEIGHT_FORMATS
 
 
 def _largest(ok, high: int, floor: int = 1) -> int | None:
