@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fxfuse.models.parallel import ParallelContext
+from fxfuse.runner.cores import threads_per_rank
 from fxfuse.runner.errors import RankFailed
 from fxfuse.runner.rank_server import adopt_launcher_state, end_as_a_spawned_rank, launcher_state, rank_start_method
 from fxfuse.runner.torchrun import under_torchrun
@@ -94,7 +95,7 @@ def _rank_main(rank, world_size, device, port, timeout_s, call, launcher, queue)
         fn, args = pickle.loads(call)
         torch.manual_seed(0)
         if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: ranks must not oversubscribe the cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+            torch.set_num_threads(threads_per_rank(world_size))
         ctx = init_rank(rank, world_size, device, port, timeout_s)
         # plain pickle (not the queue's shared-memory reducer): tensors in the result must outlive this process
         queue.put((rank, True, pickle.dumps(fn(ctx, *args))))
