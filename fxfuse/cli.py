@@ -38,7 +38,6 @@ DTYPE_CHOICES = tuple(DTYPE_BYTES)
 #: Exit statuses of a command stopped by Ctrl-C (SIGINT) or SIGTERM: 128 + the signal number, as shells report.
 INTERRUPTED_STATUS = 128 + signal.SIGINT
 TERMINATED_STATUS = 128 + signal.SIGTERM
-#: How the summary names each `--weights` format.
 #: How the summary says what the weights are held as, beside the run's dtype.
 WEIGHT_DESCRIPTIONS = {"bf16": "weights not quantized (held in {dtype})", "fp8": "weights in FP8 blocks",
                        "int4": "routed experts in INT4 (the rest in {dtype})"}
