@@ -178,6 +178,7 @@ def test_without_the_library_the_python_cuda_kernel_stays(tmp_path, env, warning
     assert (warning in stderr) if warning else "unavailable" not in stderr
 
 
+@pytest.mark.slow
 def test_install_replaces_every_overloads_cuda_kernel(native_cache):
     installed, sources, _ = _install_report({})
     assert installed == "True True" and sources == "['native_fallback.cpp']"

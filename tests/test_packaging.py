@@ -74,6 +74,7 @@ def test_non_editable_install_imports_subpackages_under_fxfuse(installed, tmp_pa
     assert '"ok": true' in out.stdout
 
 
+@pytest.mark.slow
 def test_entry_point_registers_the_backend(installed):
     entry_points = next(installed.glob("fxfuse-*.dist-info")) / "entry_points.txt"
     text = entry_points.read_text()
