@@ -77,9 +77,11 @@ def per_token_vllm(x):
     return out.clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def _per_group_vllm(x, use_ue8m0: bool):
+def _per_group_vllm(x, ue8m0: str | None):
     """vLLM's QuantFP8 per-group native forward: pad to the group, a 16-bit view of groups divided by
-    float32 scales (type promotion), `.max(dim=-1, keepdim=True)[0]`, optional UE8M0 scales."""
+    float32 scales (type promotion), `.max(dim=-1, keepdim=True)[0]`, optional UE8M0 scales: rounded up to
+    a power of two after the lower bound (`ue8m0="bound_then_round"`) or, as its newer releases write it,
+    before it (`"round_then_bound"`; issue 39: the recipe could only bound, then round)."""
     hidden = x.shape[-1]
     groups = (hidden + 127) // 128
     padded = groups * 128
@@ -87,8 +89,11 @@ def _per_group_vllm(x, use_ue8m0: bool):
         x = F.pad(x, (0, padded - hidden), mode="constant", value=0.0)
     grouped = x.view(-1, groups, 128)
     absmax = grouped.abs().max(dim=-1, keepdim=True)[0].float()
-    scales = (absmax / FP8_MAX).clamp(min=1.0 / (FP8_MAX * 512.0))
-    if use_ue8m0:
+    scales = absmax / FP8_MAX
+    if ue8m0 == "round_then_bound":
+        scales = torch.exp2(torch.ceil(torch.log2(scales)))
+    scales = scales.clamp(min=1.0 / (FP8_MAX * 512.0))
+    if ue8m0 == "bound_then_round":
         scales = torch.exp2(torch.ceil(torch.log2(scales)))
     quantized = (grouped / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(-1, padded)
     if padded != hidden:
@@ -97,25 +102,11 @@ def _per_group_vllm(x, use_ue8m0: bool):
 
 
 def per_group_vllm(x):
-    return _per_group_vllm(x, False)
+    return _per_group_vllm(x, None)
 
 
 def per_group_vllm_ue8m0_rounded_then_bounded(x):
-    """vLLM's UE8M0 group quantization as its newer releases write it: the scale rounded up to a power of two
-    first, then bounded below by 1 / (448 * 512) (issue 39: the recipe could only bound, then round)."""
-    hidden = x.shape[-1]
-    groups = (hidden + 127) // 128
-    padded = groups * 128
-    if padded != hidden:
-        x = F.pad(x, (0, padded - hidden), mode="constant", value=0.0)
-    grouped = x.view(-1, groups, 128)
-    absmax = grouped.abs().max(dim=-1, keepdim=True)[0].float()
-    scales = torch.exp2(torch.ceil(torch.log2(absmax / FP8_MAX)))
-    scales = scales.clamp(min=1.0 / (FP8_MAX * 512.0))
-    quantized = (grouped / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(-1, padded)
-    if padded != hidden:
-        quantized = quantized[..., :hidden]
-    return quantized, scales.squeeze(-1)
+    return _per_group_vllm(x, "round_then_bound")
 
 
 def per_row_power_of_two_scalar_base(x):
@@ -132,7 +123,7 @@ def per_row_one_sided_clamp(x):
 
 
 def per_group_vllm_ue8m0(x):
-    return _per_group_vllm(x, True)
+    return _per_group_vllm(x, "bound_then_round")
 
 
 def per_group_sglang(x):
