@@ -269,8 +269,8 @@ def _scales_output(outputs: set, data: set, normed: torch.fx.Node) -> torch.fx.N
 
 
 def _program(data: set, normed: torch.fx.Node, fused: torch.fx.Node) -> tuple[list[torch.fx.Node], dict]:
-    """(the nodes to run, in graph order: data nodes and the pure arithmetic of their other inputs; the
-    leaves by kind)."""
+    """(the nodes to run: the pure arithmetic of the data nodes' other inputs, then the data nodes in graph
+    order; the leaves by kind, in graph order)."""
     leaves = {"size": [], "constant": [], "parameter": []}
     extra: set[torch.fx.Node] = set()
     stack = [arg for node in data for arg in node.all_input_nodes if arg not in data and arg is not normed]
@@ -291,7 +291,28 @@ def _program(data: set, normed: torch.fx.Node, fused: torch.fx.Node) -> tuple[li
     order = {node: index for index, node in enumerate(normed.graph.nodes)}
     for kind in leaves:
         leaves[kind].sort(key=order.__getitem__)
-    return sorted(data | extra, key=order.__getitem__), leaves
+    data_in_order = sorted(data, key=order.__getitem__)
+    return _in_order_of_need(extra, data_in_order) + data_in_order, leaves
+
+
+def _in_order_of_need(extra: set, data_in_order: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """The arithmetic apart from the norm's output, each node after its inputs, in the order the data nodes
+    first read it: not in graph order, where a value several sites share (one `-448`) sits before one
+    site's data and after another's, which would make the sites' programs differ."""
+    ordered: list[torch.fx.Node] = []
+    placed: set[torch.fx.Node] = set()
+
+    def place(node: torch.fx.Node) -> None:
+        if node in extra and node not in placed:
+            placed.add(node)
+            for arg in node.all_input_nodes:
+                place(arg)
+            ordered.append(node)
+
+    for node in data_in_order:
+        for arg in node.all_input_nodes:
+            place(arg)
+    return ordered
 
 
 def _leaf_kind(node: torch.fx.Node, fused: torch.fx.Node) -> str | None:

@@ -236,27 +236,39 @@ def test_with_the_structure_checks_off_the_executed_check_still_refuses(name, mo
     fp8_recipe_search._SEARCHES.clear()
 
 
+def sglang_group(x):
+    """SGLang's per-group quantization, reading the module constant FP8_MAX (a graph input under `dynamic=True`)."""
+    flat = x.reshape(x.numel() // 128, 128)
+    amax = flat.abs().max(dim=-1, keepdim=True)[0].clamp(min=1e-10).to(torch.float32)
+    scale = amax / FP8_MAX
+    quantized = (flat / scale).clamp(min=-FP8_MAX, max=FP8_MAX).to(FP8_DTYPE)
+    return quantized.reshape(x.shape), scale.reshape(*x.shape[:-1], x.shape[-1] // 128)
+
+
+class _SglangGroupModel(torch.nn.Module):
+    """`sites` blocks quantized by `sglang_group`; the norm weight's width specializes the row width, as in a model."""
+
+    extra_inputs = ()
+
+    def __init__(self, group_name, sites=1):
+        super().__init__()
+        self.weight = torch.nn.Parameter(_inputs(torch.bfloat16)[2], requires_grad=False)
+        self.group_name, self.sites = group_name, sites
+
+    def forward(self, x, residual):
+        outputs = []
+        for _ in range(self.sites):
+            quantized, scales, residual = block(x, residual, self.weight, self.group_name, sglang_group)
+            outputs += [quantized, scales]
+            x = quantized.float().to(residual.dtype)
+        return *outputs, residual
+
+
 def test_a_runtime_fp8_maximum_is_the_ops_divisor_and_clamp_bound():
     """`dynamic=True` makes the module constant FP8_MAX a graph input; on torch 2.15 the clamp reads it as a tensor
     (`clamp_max.Tensor`) too. The op gets that input as its divisor and clamp bound, and reads it when it runs."""
-    def sglang_group(x):
-        flat = x.reshape(x.numel() // 128, 128)
-        amax = flat.abs().max(dim=-1, keepdim=True)[0].clamp(min=1e-10).to(torch.float32)
-        scale = amax / FP8_MAX
-        quantized = (flat / scale).clamp(min=-FP8_MAX, max=FP8_MAX).to(FP8_DTYPE)
-        return quantized.reshape(x.shape), scale.reshape(*x.shape[:-1], x.shape[-1] // 128)
-
-    class Model(torch.nn.Module):  # the norm weight's width specializes the row width, as in a model
-        def __init__(self, group_name):
-            super().__init__()
-            self.weight = torch.nn.Parameter(_inputs(torch.bfloat16)[2], requires_grad=False)
-            self.group_name = group_name
-
-        def forward(self, x, residual):
-            return block(x, residual, self.weight, self.group_name, sglang_group)
-
     with fake_process_group() as group:
-        model = Model(group.group_name)
+        model = _SglangGroupModel(group.group_name)
         capture, got = compile_and_run(model, *_inputs(torch.bfloat16)[:2], backend=GraphCapture(patterns=PATTERNS),
                                        dynamic=True)
         expected = model(*_inputs(torch.bfloat16)[:2])
@@ -293,6 +305,53 @@ def test_sites_of_one_structure_share_one_search():
                                      backend=GraphCapture(patterns=PATTERNS))
     assert capture.records[-1].stats.fp8_quantizations_folded == 2
     assert fp8_recipe_search.SEARCHES.runs - before == 1
+
+
+class _LazilySharedBoundModel(torch.nn.Module):
+    """Three sites whose quantizations clamp to `-limit`, computed inside the first one and reused by the others
+    (as torch 2.15's trace of `_SglangGroupModel` has it after common-subexpression elimination)."""
+
+    extra_inputs = (torch.tensor(FP8_MAX),)  # limit
+
+    def __init__(self, group_name, sites=3):
+        super().__init__()
+        self.weight = torch.nn.Parameter(_inputs(torch.bfloat16)[2], requires_grad=False)
+        self.group_name, self.sites = group_name, sites
+
+    def forward(self, x, residual, limit):
+        shared = {}
+
+        def quantize(n):
+            flat = n.reshape(n.numel() // 128, 128)
+            scale = flat.abs().amax(-1, keepdim=True).float() / limit
+            if "lower" not in shared:
+                shared["lower"] = -limit
+            quantized = (flat / scale).clamp(min=shared["lower"], max=limit).to(FP8_DTYPE)
+            return quantized.reshape(n.shape), scale.reshape(*n.shape[:-1], n.shape[-1] // 128)
+
+        outputs = []
+        for _ in range(self.sites):
+            quantized, scales, residual = block(x, residual, self.weight, self.group_name, quantize)
+            outputs += [quantized, scales]
+            x = quantized.float().to(residual.dtype)
+        return *outputs, residual
+
+
+@pytest.mark.parametrize("model_class, dynamic", [(_SglangGroupModel, True), (_LazilySharedBoundModel, False)],
+                         ids=["sglang_dynamic", "lazily_shared_bound"])
+def test_sites_that_share_a_value_of_the_graph_share_one_search(model_class, dynamic):
+    """Three sites read one value of the graph through one shared `-limit` that sits inside the first site's
+    quantization and before the others': still one structure, one search, and eager's values."""
+    fp8_recipe_search._SEARCHES.clear()
+    before = fp8_recipe_search.SEARCHES.runs
+    with fake_process_group() as group:
+        model = model_class(group.group_name, sites=3)
+        inputs = (*_inputs(torch.bfloat16)[:2], *model.extra_inputs)
+        capture, got = compile_and_run(model, *inputs, backend=GraphCapture(patterns=PATTERNS), dynamic=dynamic)
+        expected = model(*inputs)
+    assert capture.records[-1].stats.fp8_quantizations_folded == 3
+    assert fp8_recipe_search.SEARCHES.runs - before == 1
+    _assert_equal_to_eager(got, expected)
 
 
 @pytest.mark.parametrize("recipe, limits", [

@@ -231,7 +231,10 @@ def test_cli_report_of_fp8_weights_names_each_folded_quantization_and_the_search
     assert main(argv) == 0
     document = json.loads(out.read_text())
     folded = [site["fp8"] for site in document["sites"]]
-    assert folded == ["fused: per_group 128, max >= 1e-12"] * 4 + [None]  # the final norm feeds the bf16 lm_head
+    # The model's bound 1e-12 is a module constant: torch 2.15's dynamo passes it in as a graph input under the
+    # report's dynamic shapes, and the op then reads it when it runs, which the report says
+    assert folded[0] in ("fused: per_group 128, max >= 1e-12", "fused: per_group 128, max >= a value of the graph")
+    assert folded == [folded[0]] * 4 + [None]  # the final norm feeds the bf16 lm_head
     assert document["fp8_quantizations"] == 4 and document["fp8_searches"] in (0, 1)  # 0: kept from an earlier search
     assert 0 <= document["fp8_search_seconds"] <= document["pass_seconds"]
     assert "quantizations)" in capsys.readouterr().out
