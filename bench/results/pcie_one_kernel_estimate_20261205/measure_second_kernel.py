@@ -6,44 +6,21 @@ script times, in CUDA-graph replay, 200 back-to-back calls of:
 - `empty`: a 1-element copy (a launch's floor inside a graph);
 - `norm`: fxfuse's add + RMSNorm kernel;
 - `norm+fp8`: add + RMSNorm + 1x128 FP8 group quantization (DeepSeek-V3's recipe).
-Median over 7 replays of microseconds per call. Run: python measure_second_kernel.py > second_kernel.md
+Median over 7 replays of microseconds per call, the three interleaved (`fxfuse.bench.replay`).
+Run: python measure_second_kernel.py > second_kernel.md
 """
 import datetime
-import statistics
 import sys
 
 import torch
 
+from fxfuse.bench.replay import replay_timings
 from fxfuse.op.fp8_recipe import Fp8Recipe, scale_shape
 from fxfuse.op.kernels.add_rmsnorm_fp8_kernel import add_rmsnorm_fp8_into
 from fxfuse.op.kernels.add_rmsnorm_kernel import add_rmsnorm_into
 
 CALLS, REPLAYS = 200, 7
 RECIPE = Fp8Recipe(scaling="per_group", group_size=128)
-
-
-def per_call_us(launch) -> float:
-    launch()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            launch()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            launch()
-    samples = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1000 / CALLS)
-    return statistics.median(samples)
 
 
 def main() -> None:
@@ -53,7 +30,7 @@ def main() -> None:
     print(f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}")
     print(f"- command: `python {sys.argv[0]}`")
     print(f"- versions: torch {torch.__version__}, cuda {torch.version.cuda}")
-    print(f"- hidden {hidden}, bfloat16; {CALLS} calls per graph, median of {REPLAYS} replays, us per call\n")
+    print(f"- hidden {hidden}, bfloat16; {CALLS} calls per graph, median of {REPLAYS} interleaved replays, us per call\n")
     print("| tokens | empty launch | add + RMSNorm | add + RMSNorm + FP8 1x128 |")
     print("|---:|---:|---:|---:|")
     one = torch.zeros(1, device=device)
@@ -65,10 +42,13 @@ def main() -> None:
         residual_out, normed = torch.empty_like(reduced), torch.empty_like(reduced)
         quantized = torch.empty(tokens, hidden, device=device, dtype=torch.float8_e4m3fn)
         scales = torch.empty(scale_shape(reduced.shape, RECIPE), device=device, dtype=torch.float32)
-        empty = per_call_us(lambda: other.copy_(one))
-        norm = per_call_us(lambda: add_rmsnorm_into(reduced, residual, weight, 1e-6, residual_out, normed))
-        fp8 = per_call_us(lambda: add_rmsnorm_fp8_into(reduced, residual, weight, 1e-6, RECIPE, None, residual_out,
-                                                       None, quantized, scales))
+        timings = replay_timings({
+            "empty": lambda: other.copy_(one),
+            "norm": lambda: add_rmsnorm_into(reduced, residual, weight, 1e-6, residual_out, normed),
+            "fp8": lambda: add_rmsnorm_fp8_into(reduced, residual, weight, 1e-6, RECIPE, None, residual_out, None,
+                                                quantized, scales),
+        }, REPLAYS, CALLS)
+        empty, norm, fp8 = (timings[name][0] for name in ("empty", "norm", "fp8"))
         print(f"| {tokens} | {empty:.2f} | {norm:.2f} | {fp8:.2f} |")
 
 
