@@ -256,9 +256,13 @@ class _SglangGroupModel(torch.nn.Module):
         self.group_name, self.sites = group_name, sites
 
     def forward(self, x, residual):
+        return self.chain(x, residual, sglang_group)
+
+    def chain(self, x, residual, quantize):
+        """`sites` blocks, each fed the previous one's codes: (codes, scales) per site, then the residual."""
         outputs = []
         for _ in range(self.sites):
-            quantized, scales, residual = block(x, residual, self.weight, self.group_name, sglang_group)
+            quantized, scales, residual = block(x, residual, self.weight, self.group_name, quantize)
             outputs += [quantized, scales]
             x = quantized.float().to(residual.dtype)
         return *outputs, residual
@@ -307,16 +311,11 @@ def test_sites_of_one_structure_share_one_search():
     assert fp8_recipe_search.SEARCHES.runs - before == 1
 
 
-class _LazilySharedBoundModel(torch.nn.Module):
-    """Three sites whose quantizations clamp to `-limit`, computed inside the first one and reused by the others
+class _LazilySharedBoundModel(_SglangGroupModel):
+    """Sites whose quantizations clamp to `-limit`, computed inside the first one and reused by the others
     (as torch 2.15's trace of `_SglangGroupModel` has it after common-subexpression elimination)."""
 
     extra_inputs = (torch.tensor(FP8_MAX),)  # limit
-
-    def __init__(self, group_name, sites=3):
-        super().__init__()
-        self.weight = torch.nn.Parameter(_inputs(torch.bfloat16)[2], requires_grad=False)
-        self.group_name, self.sites = group_name, sites
 
     def forward(self, x, residual, limit):
         shared = {}
@@ -329,12 +328,7 @@ class _LazilySharedBoundModel(torch.nn.Module):
             quantized = (flat / scale).clamp(min=shared["lower"], max=limit).to(FP8_DTYPE)
             return quantized.reshape(n.shape), scale.reshape(*n.shape[:-1], n.shape[-1] // 128)
 
-        outputs = []
-        for _ in range(self.sites):
-            quantized, scales, residual = block(x, residual, self.weight, self.group_name, quantize)
-            outputs += [quantized, scales]
-            x = quantized.float().to(residual.dtype)
-        return *outputs, residual
+        return self.chain(x, residual, quantize)
 
 
 @pytest.mark.parametrize("model_class, dynamic", [(_SglangGroupModel, True), (_LazilySharedBoundModel, False)],
