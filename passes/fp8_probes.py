@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from fxfuse.op.fp8_recipe import rounded_to
+
 #: Values each parameter of a quantization takes in turn (in every draw, different parameters differ).
 PARAMETER_VALUES = (448.0, 0.37, 2.7, 1000.0, 2.0**-15)
 
@@ -66,7 +68,7 @@ def probe_rows(hidden: int, dtype: torch.dtype, group_sizes: tuple[int, ...], bo
         """`value` as the dtype rounds it, if positive and finite there."""
         if not (value > 0 and math.isfinite(value)) or value > info.max:
             return None
-        here = float(torch.tensor(value, dtype=torch.float64).to(dtype))
+        here = rounded_to(value, dtype)
         return here if 0 < here <= info.max else None
 
     def with_neighbours(value: float) -> list[float]:
@@ -100,8 +102,8 @@ def probe_rows(hidden: int, dtype: torch.dtype, group_sizes: tuple[int, ...], bo
                 break
         for bound in sorted({b for b in bounds if b > 0 and math.isfinite(b)}):
             below = 448.0 * 2.0 ** math.floor(math.log2(bound))  # a maximum that binds either order of bound and rounding
-            for scale, role in ((rounded_to_dtype(bound, scale_dtype), "the scale's bound"),
-                                (rounded_to_dtype(rounded_to_dtype(bound, dtype) / 448.0, scale_dtype), "the maximum's bound / 448")):
+            for scale, role in ((rounded_to(bound, scale_dtype), "the scale's bound"),
+                                (rounded_to(rounded_to(bound, dtype) / 448.0, scale_dtype), "the maximum's bound / 448")):
                 values = [v for v in _tie_values(dtype, scale) if abs(v) < below] if scale > 0 else []
                 if values:
                     add(with_values(values), f"values whose quotient by {role} {bound:g} ({name}) rounds to e4m3 "
@@ -143,11 +145,6 @@ def probe_rows(hidden: int, dtype: torch.dtype, group_sizes: tuple[int, ...], bo
         row[min(3, hidden - 1)] = special
         add(row, f"one {label} in the first group")
     return torch.stack(rows).to(dtype), tuple(labels)
-
-
-def rounded_to_dtype(value: float, dtype: torch.dtype) -> float:
-    """`value` as the nearest `dtype` number."""
-    return float(torch.tensor(value, dtype=torch.float64).to(dtype))
 
 
 def _tie_values(dtype: torch.dtype, scale: float, limit: int = 64) -> list[float]:

@@ -150,14 +150,20 @@ def _cpu_scalar(node: torch.fx.Node) -> bool:
     return value is not None and value.dim() == 0 and value.device.type == "cpu" and value.is_floating_point()
 
 
-def _with_users(node: torch.fx.Node) -> set[torch.fx.Node]:
+def _reached(node: torch.fx.Node, step) -> set[torch.fx.Node]:
+    """`node` and every node reached from it by `step` (a node -> the nodes next to it)."""
     found, stack = set(), [node]
     while stack:
         current = stack.pop()
         if current not in found:
             found.add(current)
-            stack.extend(current.users)
+            stack.extend(step(current))
     return found
+
+
+def _with_users(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """`node` and everything computed from it."""
+    return _reached(node, lambda current: current.users)
 
 
 def _dead(node: torch.fx.Node, depth: int = 4) -> bool:
@@ -220,13 +226,8 @@ def _blocked(normed: torch.fx.Node) -> str:
 
 
 def _ancestors_within(node: torch.fx.Node, within: set) -> set[torch.fx.Node]:
-    found, stack = set(), [node]
-    while stack:
-        for parent in stack.pop().all_input_nodes:
-            if parent in within and parent not in found:
-                found.add(parent)
-                stack.append(parent)
-    return found
+    """What `node` is computed from through nodes of `within` (`node` itself excluded)."""
+    return _reached(node, lambda current: [parent for parent in current.all_input_nodes if parent in within]) - {node}
 
 
 def _codes_output(cast: torch.fx.Node, normed: torch.fx.Node) -> tuple[list[torch.fx.Node], torch.fx.Node]:

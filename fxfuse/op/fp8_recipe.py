@@ -165,7 +165,7 @@ class Fp8Limits:
         """(the lower bound on the maximum, the lower bound on the scale) a call of `recipe` uses; ValueError
         when the recipe takes one from the graph and the call gave none."""
         graph = recipe.bounds_from_graph.split(",")
-        for name in ("min_amax", "min_scale"):
+        for name in GRAPH_BOUNDS:
             if name in graph and getattr(self, name) is None:
                 raise ValueError(f"allreduce_residual_rmsnorm_fp8: the recipe takes {name} from the graph "
                                  f"({'amax_bound' if name == 'min_amax' else 'scale_bound'}), and the call gives none")
