@@ -17,8 +17,8 @@ A site moved to tier (b) gets the add and norm back as `fxfuse.op.reference.add_
 (the arithmetic the fused op reproduces, which is the canonical form of the graph's own,
 `canonical_form`). Its values are those of the unfused code, but for the spellings the canonical form
 rewrites to a different rounding: `x / sqrt(v)`, `x * (1 / sqrt(v))`, `x * reciprocal(sqrt(v))` and
-`x * v ** -0.5` become `x * rsqrt(v)`, which can differ in the last bit of the float32 norm (in issue
-39's review 1 of 1,048,576 bf16 outputs differed from eager), as in tier (a); every other spelling is the
+`x * v ** -0.5` become `x * rsqrt(v)`, which can differ in the last bit of the float32 norm (in one
+review 1 of 1,048,576 bf16 outputs differed from eager), as in tier (a); every other spelling is the
 same arithmetic, bit for bit. It also gets the `original_aten` of the nodes
 the fusion replaced (kept by `allreduce_rmsnorm_fusion.fusible_site`), so that Inductor generates, names
 and tunes the same kernels as for its own graph. Why a site is not in tier (a) is kept on

@@ -2,7 +2,7 @@
 
 `os.cpu_count()` counts the host's CPUs, not what a container or a CPU mask leaves this process: on a
 2-core slice of a large host it says 64, and one rank with 64 threads on 2 cores ran a tiny model's step
-60 times slower than with one (issue 41). `available_cores()` takes the smallest of the CPU affinity mask
+60 times slower than with one. `available_cores()` takes the smallest of the CPU affinity mask
 and the cgroup CPU quota (v2 `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`); `threads_per_rank`
 divides it among the ranks of one machine, as torchrun sets OMP_NUM_THREADS for its workers.
 """

@@ -17,14 +17,9 @@ from typing import Iterator
 
 import torch
 
-#: Relative noise put on each element of the first decoder layer's input: half a bf16 rounding step (the models
-#: benchmarked and served run in bf16); `perturbation(dtype)` is half a rounding step of another dtype.
+#: Relative noise (the standard deviation) put on each element of the first decoder layer's input by the model
+#: benchmark, whose models run in bf16: 2**-9, a quarter of bf16's machine epsilon.
 PERTURBATION = 2.0 ** -9
-
-
-def perturbation(dtype: torch.dtype) -> float:
-    """Half a rounding step of `dtype` (relative): the noise that measures what rounding in it does to a model."""
-    return float(torch.finfo(dtype).eps) / 2
 #: A backend may differ from eager by this many times the model's own sensitivity...
 SENSITIVITY_FACTOR = 3.0
 #: ...or by this much, whichever is larger (catches broken outputs, errors of order 1), for 16-bit runs and where
@@ -32,6 +27,12 @@ SENSITIVITY_FACTOR = 3.0
 TOLERANCE = 0.1
 #: in float32, where a run can tell far smaller differences, by 16 float32 rounding steps.
 FLOAT32_TOLERANCE = 16 * float(torch.finfo(torch.float32).eps)
+
+
+def perturbation(dtype: torch.dtype) -> float:
+    """The noise `fxfuse run --compare eager` measures a run in `dtype` with: half of `dtype`'s machine epsilon
+    (2**-8 for bf16, twice the model benchmark's `PERTURBATION`)."""
+    return float(torch.finfo(dtype).eps) / 2
 
 
 @contextlib.contextmanager

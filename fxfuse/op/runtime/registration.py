@@ -156,7 +156,7 @@ def _register_fp8(overload: str) -> None:
     def cuda(x, residual, weight, eps, group_name, scaling, group_size, min_amax, scale_dtype, static_scale, return_normed,
              weight_offset=0.0, weight_in_fp32=False, scale_divisor=None, min_scale=0.0, power_of_two="none",
              reciprocal=False, saturate=True, bound_after_power_of_two=False, clamp_bound=None, bounds_from_graph="",
-            amax_bound=None, scale_bound=None):
+             amax_bound=None, scale_bound=None):
         recipe = recipe_from_arguments(scaling, group_size, min_amax, scale_dtype, min_scale, power_of_two, reciprocal, saturate,
                                        bound_after_power_of_two, bounds_from_graph)
         return _cuda_dispatch().allreduce_residual_rmsnorm_fp8_cuda(
