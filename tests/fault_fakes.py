@@ -19,12 +19,13 @@ from fxfuse.op.runtime.cuda_ipc import SharedBuffer, close_shared_buffers, creat
 
 
 class FakeRuntime:
-    """The CudaRuntime calls, on fake pointers; `fail` maps a call name ("set_device", "malloc",
-    "ipc_handle", "open") to the rank it fails on; records what is live and mapped."""
+    """The CudaRuntime calls, on fake pointers; `fail` maps a call name ("set_device", "malloc", "memset",
+    "ipc_handle", "open") to the rank it fails on; records what is live and mapped, and the order of calls."""
 
     def __init__(self, rank, fail=None):
         self.rank, self.fail = rank, fail or {}
         self.live, self.mapped, self.next = set(), set(), 1000 * (rank + 1)
+        self.calls: list[tuple] = []  # (call, pointer or None) in order, of memset, synchronize and ipc_handle
 
     def _maybe_fail(self, what):
         if self.fail.get(what) == self.rank:
@@ -39,8 +40,16 @@ class FakeRuntime:
         self.live.add(self.next)
         return self.next
 
+    def memset(self, pointer, value, size):
+        self._maybe_fail("memset")
+        self.calls.append(("memset", pointer, value))
+
+    def synchronize(self):
+        self.calls.append(("synchronize", None))
+
     def ipc_handle(self, pointer):
         self._maybe_fail("ipc_handle")
+        self.calls.append(("ipc_handle", pointer))
         return pointer.to_bytes(8, "little")
 
     def ipc_open(self, handle):

@@ -89,17 +89,10 @@ def _launch(normalize: bool, source, residual, weight, eps, recipe: Fp8Recipe, s
     has_residual, store_normed = residual is not None, normed is not None
     pointers = (source, residual if has_residual else source, weight, residual_out, normed if store_normed else source,
                 quantized, scales if scales.numel() else quantized, static_scale if static_scale is not None else scales)
-    min_amax, min_scale = limits.bounds(recipe)
-    args = (*pointers, hidden, max(1, recipe.groups(hidden)), float(eps), float(min_amax), float(limits.divisor),
-            rounded_to(float(min_scale), recipe.scale_dtype), float(limits.clamp))
-    if recipe.scaling == "per_group":
-        rows, cols = next_power_of_2(-(-hidden // recipe.group_size)), recipe.group_size
-    else:
-        rows, cols = 1, next_power_of_2(hidden)
-    constexprs = (normalize, has_residual, store_normed, SCALING_CODES[recipe.scaling],
-                  SCALE_ROUNDING_CODES.get(recipe.scale_dtype, 0), rows, cols, bool(weight_in_fp32), float(weight_offset),
-                  POWER_OF_TWO_CODES[recipe.power_of_two], recipe.bound_after_power_of_two, recipe.reciprocal, recipe.saturate,
-                  cast_saturates(), source.is_cuda)
+    scalars, (rows, cols), recipe_constexprs = recipe_terms(recipe, hidden, limits)
+    args = (*pointers, hidden, scalars[0], float(eps), *scalars[1:])
+    constexprs = (normalize, has_residual, store_normed, *recipe_constexprs[:2], rows, cols, bool(weight_in_fp32),
+                  float(weight_offset), *recipe_constexprs[2:], source.is_cuda)
     key = None
     if source.is_cuda:
         device = torch.cuda.current_device()
@@ -111,6 +104,24 @@ def _launch(normalize: bool, source, residual, weight, eps, recipe: Fp8Recipe, s
     compiled = _kernel()[(tokens,)](*args, *constexprs, num_warps=num_warps_for(rows * cols))
     if key is not None and _aligned(pointers) and key not in _DIRECT:
         _DIRECT[key] = DirectLaunch(compiled, constexprs)
+
+
+def recipe_terms(recipe: Fp8Recipe, hidden: int, limits: Fp8Limits) -> tuple[tuple, tuple[int, int], tuple]:
+    """What a kernel calling `quantize_tile` is given for `recipe` on rows of `hidden`: the runtime scalars
+    (groups per row, the lower bound on the maximum, the divisor, the lower bound on the scale, the clamp
+    bound), the row's tile (ROWS, COLS), and the constexprs (SCALING, SCALE_ROUNDING, then POWER_OF_TWO,
+    BOUND_AFTER_POWER_OF_TWO, RECIPROCAL, SATURATE, CAST_SATURATES)."""
+    min_amax, min_scale = limits.bounds(recipe)
+    scalars = (max(1, recipe.groups(hidden)), float(min_amax), float(limits.divisor),
+               rounded_to(float(min_scale), recipe.scale_dtype), float(limits.clamp))
+    if recipe.scaling == "per_group":
+        tile = (next_power_of_2(-(-hidden // recipe.group_size)), recipe.group_size)
+    else:
+        tile = (1, next_power_of_2(hidden))
+    constexprs = (SCALING_CODES[recipe.scaling], SCALE_ROUNDING_CODES.get(recipe.scale_dtype, 0),
+                  POWER_OF_TWO_CODES[recipe.power_of_two], recipe.bound_after_power_of_two, recipe.reciprocal,
+                  recipe.saturate, cast_saturates())
+    return scalars, tile, constexprs
 
 
 def _reference_into(normalize, source, residual, weight, eps, recipe, static_scale, residual_out, normed, quantized, scales,

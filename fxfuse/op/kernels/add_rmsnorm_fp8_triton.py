@@ -1,6 +1,8 @@
 """The Triton kernel behind `fxfuse.op.kernels.add_rmsnorm_fp8_kernel` (imported on its first launch, so that
 importing the op needs no Triton): residual add + RMSNorm + the FP8 quantization of an
-`fxfuse.op.fp8_recipe.Fp8Recipe`, one program per row, and the helpers it calls."""
+`fxfuse.op.fp8_recipe.Fp8Recipe`, one program per row, and the helpers it calls. The one-kernel PCIe
+all-reduce (`fxfuse.op.kernels.one_shot_triton`) calls the same `add_rmsnorm_tile` and `quantize_tile` on the
+rows it reduces, so both paths run one epilogue."""
 
 import triton
 import triton.language as tl
@@ -55,41 +57,40 @@ def divided(x, divisor, reciprocal):
     return tl.where((quotient != 0.0) & (tl.abs(quotient) < float("inf")), corrected, exact)
 
 @triton.jit
-def add_rmsnorm_fp8_rows(
-    reduced_ptr, residual_ptr, weight_ptr, residual_out_ptr, normed_ptr, quantized_ptr, scales_ptr, static_scale_ptr,
-    hidden, groups, eps, min_amax, divisor, min_scale, clamp_bound,
-    NORMALIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STORE_NORMED: tl.constexpr, SCALING: tl.constexpr,
-    SCALE_ROUNDING: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr,
-    WEIGHT_OFFSET: tl.constexpr, POWER_OF_TWO: tl.constexpr, BOUND_AFTER_POWER_OF_TWO: tl.constexpr,
-    RECIPROCAL: tl.constexpr, SATURATE: tl.constexpr, CAST_SATURATES: tl.constexpr, LIBDEVICE: tl.constexpr,
+def add_rmsnorm_tile(
+    reduced, residual_ptr, weight_ptr, residual_out_ptr, normed_ptr, offsets, cols, mask, hidden, eps,
+    HAS_RESIDUAL: tl.constexpr, STORE_NORMED: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
 ):
-    # One program per token; its row as a [ROWS, COLS] tile: ROWS groups of COLS values for per-group
-    # scales (no reshape between the norm and the group maxima), one row of the whole width otherwise.
-    # NaN goes where the unfused torch code has it: maxima and clamps propagate it.
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
-    mask = cols < hidden
-    offsets = row * hidden + cols
-    if NORMALIZE:
-        # The cache hints of fxfuse.op.kernels.add_rmsnorm_kernel (rows read once, the weight by every program,
-        # the residual streamed past L2).
-        reduced = tl.load(reduced_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_first")
-        summed = reduced
-        if HAS_RESIDUAL:
-            residual = tl.load(residual_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_first")
-            summed = reduced.to(residual.dtype) + residual
-        tl.store(residual_out_ptr + offsets, summed, mask=mask, cache_modifier=".cs")
-        h = summed.to(tl.float32)
-        variance = tl.sum(tl.sum(h * h, axis=1), axis=0) / hidden
-        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last")
-        if WEIGHT_IN_FP32:
-            normed = (h * tl.rsqrt(variance + eps) * (weight.to(tl.float32) + WEIGHT_OFFSET)).to(reduced.dtype)
-        else:
-            normed = weight * (h * tl.rsqrt(variance + eps)).to(summed.dtype)
-        if STORE_NORMED:
-            tl.store(normed_ptr + offsets, normed, mask=mask)
+    """The residual add and RMSNorm of one all-reduced row held as a [ROWS, COLS] tile (`offsets`: its
+    elements' offsets, `cols`: their columns): writes residual_out (and normed, if STORE_NORMED) and returns
+    normed. The cache hints of fxfuse.op.kernels.add_rmsnorm_kernel (rows read once, the weight by every
+    program, the residual streamed past L2)."""
+    summed = reduced
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_first")
+        summed = reduced.to(residual.dtype) + residual
+    tl.store(residual_out_ptr + offsets, summed, mask=mask, cache_modifier=".cs")
+    h = summed.to(tl.float32)
+    variance = tl.sum(tl.sum(h * h, axis=1), axis=0) / hidden
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last")
+    if WEIGHT_IN_FP32:
+        normed = (h * tl.rsqrt(variance + eps) * (weight.to(tl.float32) + WEIGHT_OFFSET)).to(reduced.dtype)
     else:
-        normed = tl.load(reduced_ptr + offsets, mask=mask, other=0.0)
+        normed = weight * (h * tl.rsqrt(variance + eps)).to(summed.dtype)
+    if STORE_NORMED:
+        tl.store(normed_ptr + offsets, normed, mask=mask)
+    return normed
+
+@triton.jit
+def quantize_tile(
+    normed, row, offsets, mask, quantized_ptr, scales_ptr, static_scale_ptr, groups, min_amax, divisor, min_scale,
+    clamp_bound, SCALING: tl.constexpr, SCALE_ROUNDING: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+    POWER_OF_TWO: tl.constexpr, BOUND_AFTER_POWER_OF_TWO: tl.constexpr, RECIPROCAL: tl.constexpr,
+    SATURATE: tl.constexpr, CAST_SATURATES: tl.constexpr, LIBDEVICE: tl.constexpr,
+):
+    """The FP8 quantization of row `row`, held normed as a [ROWS, COLS] tile: writes its e4m3 codes (and
+    its scales, for a dynamic recipe). NaN goes where the unfused torch code has it: maxima and clamps
+    propagate it."""
     x = normed.to(tl.float32)
     if SCALING == 2:
         scaled = x * tl.load(static_scale_ptr)
@@ -124,3 +125,28 @@ def add_rmsnorm_fp8_rows(
         # [448, 464) does, which the conversion below gives too
         scaled = tl.where(tl.abs(scaled) > 464.0, float("nan"), scaled)
     tl.store(quantized_ptr + offsets, scaled.to(quantized_ptr.dtype.element_ty), mask=mask)
+
+@triton.jit
+def add_rmsnorm_fp8_rows(
+    reduced_ptr, residual_ptr, weight_ptr, residual_out_ptr, normed_ptr, quantized_ptr, scales_ptr, static_scale_ptr,
+    hidden, groups, eps, min_amax, divisor, min_scale, clamp_bound,
+    NORMALIZE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STORE_NORMED: tl.constexpr, SCALING: tl.constexpr,
+    SCALE_ROUNDING: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr,
+    WEIGHT_OFFSET: tl.constexpr, POWER_OF_TWO: tl.constexpr, BOUND_AFTER_POWER_OF_TWO: tl.constexpr,
+    RECIPROCAL: tl.constexpr, SATURATE: tl.constexpr, CAST_SATURATES: tl.constexpr, LIBDEVICE: tl.constexpr,
+):
+    # One program per token; its row as a [ROWS, COLS] tile: ROWS groups of COLS values for per-group
+    # scales (no reshape between the norm and the group maxima), one row of the whole width otherwise.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    mask = cols < hidden
+    offsets = row * hidden + cols
+    if NORMALIZE:
+        reduced = tl.load(reduced_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_first")
+        normed = add_rmsnorm_tile(reduced, residual_ptr, weight_ptr, residual_out_ptr, normed_ptr, offsets, cols, mask,
+                                  hidden, eps, HAS_RESIDUAL, STORE_NORMED, WEIGHT_IN_FP32, WEIGHT_OFFSET)
+    else:
+        normed = tl.load(reduced_ptr + offsets, mask=mask, other=0.0)
+    quantize_tile(normed, row, offsets, mask, quantized_ptr, scales_ptr, static_scale_ptr, groups, min_amax, divisor,
+                  min_scale, clamp_bound, SCALING, SCALE_ROUNDING, ROWS, COLS, POWER_OF_TWO, BOUND_AFTER_POWER_OF_TWO,
+                  RECIPROCAL, SATURATE, CAST_SATURATES, LIBDEVICE)

@@ -150,10 +150,12 @@ class SharedBuffer:
 
 
 def create_shared_buffers(
-    sizes: list[int], group: dist.ProcessGroup, runtime: CudaRuntime | None = None, device_index: int | None = None
+    sizes: list[int], group: dist.ProcessGroup, runtime: CudaRuntime | None = None, device_index: int | None = None,
+    initial_byte: int | None = None,
 ) -> list[SharedBuffer]:
     """Allocate `sizes` bytes on every rank of `group` (on GPU `device_index`, default torch's current
-    one) and map every peer's buffers (collective).
+    one) and map every peer's buffers (collective). With `initial_byte`, every byte of each buffer is set
+    to it (and the device synchronized) before its handle is exported, so no peer can write into it first.
 
     Every local step (loading the CUDA runtime, selecting the device, allocating, exporting, opening
     the peers' handles) runs before an exchange that carries its failure to every rank. Raises
@@ -172,6 +174,9 @@ def create_shared_buffers(
             pointer = steps.run("allocating the shared buffers (cudaMalloc)", runtime.malloc, size)
             if pointer is not None:
                 own.append(pointer)
+                if initial_byte is not None:
+                    steps.run("initializing the shared buffers (cudaMemset)", runtime.memset, pointer, initial_byte, size)
+                    steps.run("initializing the shared buffers (cudaDeviceSynchronize)", runtime.synchronize)
                 handles.append(steps.run("exporting IPC handles (cudaIpcGetMemHandle)", runtime.ipc_handle, pointer))
     exchanged = gather_objects((handles, steps.failure), group)
     failed = describe_failures([failure for _, failure in exchanged])

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fxfuse.op.runtime.stream_order import bind_to_current_stream
+
 #: Upper bound of FlashInfer's per-rank PCIe workspace, for the free-memory check before creation.
 PCIE_SLACK_BYTES = 16 << 20
 
@@ -86,12 +88,7 @@ class PcieAllReduceKernels:
 
     def all_reduce(self, workspace: PcieWorkspace, x: torch.Tensor, out: torch.Tensor) -> None:
         """Sum contiguous [tokens, hidden] `x` over the group into `out` (stream-ordered, capturable)."""
-        if not torch.cuda.is_current_stream_capturing():
-            current = torch.cuda.current_stream()
-            if workspace.stream is not None and current != workspace.stream:
-                current.wait_stream(workspace.stream)  # the old stream's calls finish before this one starts
-                workspace.library_workspace.rebind_stream()
-            workspace.stream = current
+        bind_to_current_stream(workspace, workspace.library_workspace.rebind_stream)
         workspace.library_workspace.all_reduce(x, out=out, config=workspace.configs[x.shape[0]])
 
     def destroy_workspace(self, workspace: PcieWorkspace, group: dist.ProcessGroup) -> None:
