@@ -15,7 +15,7 @@ import pytest
 from fxfuse.cli import main
 
 SETTINGS = [
-    ("FXFUSE_FUSION", "bogus", "bad setting FXFUSE_FUSION='bogus': expected one of auto, oneshot, twoshot, pcie, off"),
+    ("FXFUSE_FUSION", "bogus", "bad setting FXFUSE_FUSION='bogus': expected one of auto, oneshot, twoshot, pcie, pcie_one_kernel, off"),
     ("FXFUSE_TOPOLOGY", "mesh", "bad setting FXFUSE_TOPOLOGY='mesh': expected auto, "),
     ("FXFUSE_MAX_TOKENS", "0", "bad setting FXFUSE_MAX_TOKENS='0': expected a positive integer"),
     ("FXFUSE_MAX_TOKENS", "many", "bad setting FXFUSE_MAX_TOKENS='many': expected a positive integer"),
@@ -38,7 +38,7 @@ COMMANDS = {
     "bench kernel": (["bench", "kernel"], "fxfuse.bench.kernel", "main"),
     "bench fallback": (["bench", "fallback"], "fxfuse.bench.fallback", "main"),
     "bench model": (["bench", "model", "--device", "cpu"], "fxfuse.bench.model", "main"),
-    "tune pcie": (["tune", "pcie"], "fxfuse.runner.tune_pcie", "main"),
+    "tune pcie": (["tune", "pcie"], "fxfuse.bench.tune_pcie", "main"),
 }
 
 

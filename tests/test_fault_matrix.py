@@ -227,7 +227,7 @@ def test_a_bad_setting_on_one_rank_is_the_same_error_on_every_rank(tmp_path):
     outcome = _same_outcome_everywhere(results, "bad FXFUSE_FUSION")
     assert outcome[:2] == ("raise", "RankStepFailed")
     assert ("rank 1, reading the FXFUSE_* settings: ValueError: FXFUSE_FUSION='sometimes': expected one of auto, oneshot, "
-            "twoshot, pcie, off") in outcome[2]
+            "twoshot, pcie, pcie_one_kernel, off") in outcome[2]
     assert _same_outcome_everywhere(results, "FXFUSE_FUSION differs")[:2] == ("raise", "ConfigMismatch")
 
 

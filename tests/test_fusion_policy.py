@@ -328,18 +328,21 @@ def test_a_float32_residual_stream_takes_the_pcie_path_not_the_trtllm_one():
 def test_problem_has_no_per_rank_field():
     fields = {f.name for f in dataclasses.fields(FusionProblem)}
     assert fields == {"sm", "world_size", "dtype", "hidden_size", "num_tokens", "weight_dtype", "residual_dtype",
-                      "topology", "flashinfer", "trtllm_max_tokens", "pcie_max_tokens", "weight_offset"}
+                      "topology", "flashinfer", "trtllm_max_tokens", "pcie_max_tokens", "weight_offset",
+                      "one_kernel_max_tokens"}
 
 
 def test_decision_depends_only_on_its_arguments(monkeypatch):
     """Two 'ranks' with different rank env, device and RNG state decide identically on a grid."""
     grid = [
-        problem(sm=sm, world_size=ws, num_tokens=n, hidden_size=h, trtllm_max_tokens=m, pcie_max_tokens=m, topology=t)
+        problem(sm=sm, world_size=ws, num_tokens=n, hidden_size=h, trtllm_max_tokens=m, pcie_max_tokens=m,
+                one_kernel_max_tokens=m // 8, topology=t)
         for sm in (80, 90, 120) for ws in (1, 2, 8, 16) for n in (0, 1, 3, 9, 193, 4096)
         for h in (4096, 7170) for m in (512, 2048) for t in Topology
     ]
-    table_entry = entry([(16, "oneshot"), (64, "pcie"), (600, "twoshot")])
-    settings = [AUTO, FusionSettings(force_mode=FusionMode.TWOSHOT), FusionSettings(enabled=False)]
+    table_entry = entry([(16, "oneshot"), (32, "pcie_one_kernel"), (64, "pcie"), (600, "twoshot")])
+    settings = [AUTO, FusionSettings(force_mode=FusionMode.TWOSHOT), FusionSettings(force_mode=FusionMode.PCIE_ONE_KERNEL),
+                FusionSettings(enabled=False)]
 
     def decisions_as_rank(rank: int):
         monkeypatch.setenv("RANK", str(rank))

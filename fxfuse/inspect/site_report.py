@@ -34,6 +34,7 @@ from fxfuse.backend import CompileRecord, FxfuseBackend
 from fxfuse.models.config import ModelConfig
 from fxfuse.models.parallel import ParallelContext
 from fxfuse.op.decide.settings import current_settings, what_fused_sites_run
+from fxfuse.op.decide.thresholds import current_thresholds
 from fxfuse.op.fp8_schema import FP8_OPS, recipe_of
 from fxfuse.passes.config import PATTERNS
 from fxfuse.passes.fp8_epilogue import FP8_REASON
@@ -314,7 +315,7 @@ def summarize(backend: SiteTracingBackend, compile_seconds: float, *, model: str
         trace_seconds=round(compile_seconds - backend.pass_seconds, 3),
         pass_seconds=round(backend.pass_seconds, 3),
         sites=tuple(backend.sites),
-        runtime=what_fused_sites_run(current_settings()),
+        runtime=what_fused_sites_run(current_settings(), current_thresholds()),
         fp8_search_seconds=round(sum(r.timing.fp8_search_seconds for r in records if r.timing), 3),
         fp8_searches=sum(r.timing.fp8_searches for r in records if r.timing),
         fp8_quantizations=sum(r.timing.fp8_searches + r.timing.fp8_search_hits for r in records if r.timing),

@@ -11,7 +11,8 @@
   (`interconnect="nvlink"`) the TensorRT-LLM kernel's, `fxfuse.op.runtime.workspace.workspace_bytes` for the
   tokens it is sized for, capped as the op caps it (`fxfuse.op.decide.policy.trtllm_token_cap`: its 32-bit
   offsets; larger calls run the NCCL fallback); on PCIe-only GPUs (`interconnect="pcie"`) FlashInfer's
-  PCIe all-reduce's, `fxfuse.op.runtime.pcie_kernels.pcie_workspace_bytes`;
+  PCIe all-reduce's, `fxfuse.op.runtime.pcie_kernels.pcie_workspace_bytes`, plus the one-kernel path's
+  (`fxfuse.op.runtime.one_kernel_pcie.one_kernel_workspace_bytes`, at most its 256 tokens);
 - activations: the largest transient of the widest step (batch x step tokens), an estimate: the
   attention scores over the whole static cache (scores and masked scores in the dtype, float32
   softmax, probabilities in the dtype: batch x local heads x tokens x context x (3 x dtype + 4)), or
@@ -188,14 +189,17 @@ def _plan_with_weights(config: ModelConfig, inputs: PlanInputs, model: str, weig
 
 def _workspace(config: ModelConfig, inputs: PlanInputs) -> tuple[int, int]:
     """(tokens, bytes) of one rank's fused-op workspace: none at tp=1 or without backend fxfuse; else
-    the TensorRT-LLM kernel's, capped as the op caps it, or the PCIe all-reduce's."""
+    the TensorRT-LLM kernel's, capped as the op caps it, or on PCIe both the PCIe all-reduce's and the one-kernel
+    path's (a tuning file may choose either per token count, so both may be made)."""
     if not inputs.fused_workspace or inputs.tp == 1:
         return 0, 0
     tokens = inputs.batch * inputs.step_tokens
     if inputs.interconnect == "pcie":
+        from fxfuse.op.runtime.one_kernel_pcie import ONE_KERNEL_MAX_TOKENS, one_kernel_workspace_bytes
         from fxfuse.op.runtime.pcie_kernels import pcie_workspace_bytes
 
-        return tokens, pcie_workspace_bytes(inputs.tp, tokens, config.hidden_size, inputs.dtype)
+        one_kernel = one_kernel_workspace_bytes(inputs.tp, min(tokens, ONE_KERNEL_MAX_TOKENS), config.hidden_size, inputs.dtype)
+        return tokens, pcie_workspace_bytes(inputs.tp, tokens, config.hidden_size, inputs.dtype) + one_kernel
     from fxfuse.op.decide.policy import trtllm_token_cap
     from fxfuse.op.runtime.workspace import workspace_bytes
 

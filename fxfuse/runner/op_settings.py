@@ -54,7 +54,8 @@ def checked_op_settings(environ: Mapping[str, str] = os.environ, tune_cache_writ
 
 def planned_interconnect(settings: FusionSettings) -> str:
     """The workspace the memory plan counts for `settings`: "pcie" (FlashInfer's PCIe all-reduce) when
-    they name PCIe (FXFUSE_TOPOLOGY=pcie or FXFUSE_FUSION=pcie), else "nvlink" (the TensorRT-LLM kernel)."""
+    they name PCIe (FXFUSE_TOPOLOGY=pcie, FXFUSE_FUSION=pcie or pcie_one_kernel), else "nvlink" (the TensorRT-LLM
+    kernel)."""
     pcie = (settings.topology is not None and settings.topology.value == "pcie") or (
-        settings.force_mode is not None and settings.force_mode.value == "pcie")
+        settings.force_mode is not None and settings.force_mode.value in ("pcie", "pcie_one_kernel"))
     return "pcie" if pcie else "nvlink"

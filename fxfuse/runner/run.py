@@ -195,6 +195,7 @@ CUDA_IMPLEMENTATIONS = {
     "oneshot": "FlashInfer's TensorRT-LLM kernel (one-shot)",
     "twoshot": "FlashInfer's TensorRT-LLM kernel (two-shot)",
     "pcie": "FlashInfer's PCIe all-reduce + fused add-RMSNorm",
+    "pcie_one_kernel": "fxfuse's one-kernel PCIe all-reduce + add-RMSNorm (one launch)",
 }
 
 

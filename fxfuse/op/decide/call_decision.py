@@ -23,14 +23,15 @@ from fxfuse.op.decide.topology import Topology
 
 
 def problem_for(config: GroupConfig, tokens: int, hidden: int, dtype, weight_dtype, residual_dtype, trtllm_max_tokens: int,
-                pcie_max_tokens: int, weight_offset: float = 0.0) -> FusionProblem:
-    """The decision table's input for one call shape on this group, whose TensorRT-LLM and PCIe
-    workspaces hold (or would hold, if made now) `trtllm_max_tokens` / `pcie_max_tokens` tokens."""
+                pcie_max_tokens: int, weight_offset: float = 0.0, one_kernel_max_tokens: int = 0) -> FusionProblem:
+    """The decision table's input for one call shape on this group, whose TensorRT-LLM, PCIe and one-kernel
+    PCIe workspaces hold (or would hold, if made now) `trtllm_max_tokens` / `pcie_max_tokens` /
+    `one_kernel_max_tokens` tokens."""
     return FusionProblem(
         sm=config.sm, world_size=config.world_size, dtype=dtype, hidden_size=hidden, num_tokens=tokens,
         weight_dtype=weight_dtype, residual_dtype=residual_dtype, topology=config.topology,
         flashinfer=config.flashinfer, weight_offset=weight_offset,
-        trtllm_max_tokens=trtllm_max_tokens, pcie_max_tokens=pcie_max_tokens,
+        trtllm_max_tokens=trtllm_max_tokens, pcie_max_tokens=pcie_max_tokens, one_kernel_max_tokens=one_kernel_max_tokens,
     )
 
 

@@ -16,6 +16,7 @@ class FusionMode(str, enum.Enum):
     ONESHOT = "oneshot"  # FlashInfer TensorRT-LLM kernel, one-shot (Lamport buffers): lowest latency, small inputs
     TWOSHOT = "twoshot"  # the same kernel, reduce-scatter then all-gather inside one launch: larger inputs
     PCIE = "pcie"  # FlashInfer's PCIe IPC all-reduce, then the fused add + RMSNorm kernel
+    PCIE_ONE_KERNEL = "pcie_one_kernel"  # fxfuse's one-shot all-reduce + add + RMSNorm (+ FP8) in one launch, over CUDA IPC
     FALLBACK = "fallback"  # NCCL all-reduce, then the fused add + RMSNorm kernel
 
     @property

@@ -10,14 +10,17 @@ and needs neither CUDA nor FlashInfer.
 
 The table, in order:
 1. settings off, or no tokens: NCCL all-reduce + the fused add-RMSNorm kernel (`FALLBACK`);
-2. a forced implementation (`FXFUSE_FUSION=oneshot|twoshot|pcie`) wherever it can run at all;
+2. a forced implementation (`FXFUSE_FUSION=oneshot|twoshot|pcie|pcie_one_kernel`) wherever it can run at all;
 3. a thresholds-table entry for this GPU / topology / world size / hidden / dtype: its mode for the
    token count (measured, so it may pick the TensorRT-LLM kernel off NVSwitch, e.g. SM 12.x PCIe);
 4. otherwise: the TensorRT-LLM kernel (one-shot or two-shot by FlashInfer's heuristic) when every
    pair of GPUs is linked through NVSwitch and FlashInfer builds it for the arch; FlashInfer's PCIe
    all-reduce + the fused norm when the group is PCIe-only and FlashInfer >= 0.7.2; else FALLBACK.
 A chosen implementation also needs room in its workspace; otherwise the other TensorRT-LLM
-algorithm, else FALLBACK.
+algorithm, else FALLBACK. The one-kernel PCIe path (`PCIE_ONE_KERNEL`: fxfuse's own one-shot all-reduce with
+the norm in the same launch) runs only where it is forced or a thresholds entry (`fxfuse tune pcie`) chose it
+for the token count; where it cannot run the call (world size, dtype, width, or more tokens than its
+workspace holds), the PCIe two-kernel path runs instead, else FALLBACK.
 
 The limits are those of FlashInfer's kernels (`include/flashinfer/comm/trtllm_allreduce_fusion.cuh`,
 `flashinfer/comm/trtllm_ar.py`, `flashinfer/comm/pcie_ipc_ar.py`).
@@ -61,6 +64,10 @@ MAX_LAMPORT_COMM_BYTES = (2**31 - 1) // 2
 FLASHINFER_ONESHOT_MAX_MIB = {2: 512, 4: 64, 8: 42}
 #: The kernel's own one-shot token limit, used for world sizes that heuristic does not list.
 KERNEL_ONESHOT_MAX_TOKENS = 128
+#: World sizes the one-kernel PCIe path is tested at (its receive buffers hold one slot per rank).
+ONE_KERNEL_WORLD_SIZES = (2, 4, 8)
+#: Widest row the one-kernel path takes: one program sums a row over every rank in registers.
+ONE_KERNEL_MAX_HIDDEN = 16384
 
 
 @dataclass(frozen=True)
@@ -68,8 +75,9 @@ class FusionProblem:
     """One call's shape and the group it runs on, as every rank of the group sees it.
 
     `sm` is the compute capability as an integer (90 for 9.0). `residual_dtype` is None when the call
-    has no residual. `weight_offset` is added to the norm weight in float32 (Gemma's `1 + weight`). `trtllm_max_tokens` / `pcie_max_tokens` are the token capacities of the group's
-    TensorRT-LLM and PCIe workspaces for this hidden size and dtype (0: none, or creation failed).
+    has no residual. `weight_offset` is added to the norm weight in float32 (Gemma's `1 + weight`).
+    `trtllm_max_tokens` / `pcie_max_tokens` / `one_kernel_max_tokens` are the token capacities of the group's
+    TensorRT-LLM, PCIe and one-kernel PCIe workspaces for this hidden size and dtype (0: none, or creation failed).
     """
 
     sm: int
@@ -84,6 +92,7 @@ class FusionProblem:
     trtllm_max_tokens: int = 0
     pcie_max_tokens: int = 0
     weight_offset: float = 0.0
+    one_kernel_max_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,7 +104,7 @@ class FusionDecision:
 
     @property
     def fused(self) -> bool:
-        """True when a FlashInfer all-reduce runs (TensorRT-LLM one-shot / two-shot, or PCIe)."""
+        """True when a fused all-reduce runs (FlashInfer's TensorRT-LLM one-shot / two-shot or PCIe, or the one kernel)."""
         return self.mode is not FusionMode.FALLBACK
 
 
@@ -147,6 +156,15 @@ def pcie_unsupported(problem: FusionProblem) -> str | None:
         return f"PCIe all-reduce unavailable: {why}"
     if problem.world_size not in PCIE_WORLD_SIZES:
         return f"world size {problem.world_size} not supported by the PCIe all-reduce ({PCIE_WORLD_SIZES})"
+    return _common_unsupported(problem)
+
+
+def one_kernel_unsupported(problem: FusionProblem) -> str | None:
+    """Why the one-kernel PCIe path can never run this configuration; None if it can (it needs no FlashInfer)."""
+    if problem.world_size not in ONE_KERNEL_WORLD_SIZES:
+        return f"world size {problem.world_size} not supported by the one-kernel path ({ONE_KERNEL_WORLD_SIZES})"
+    if problem.hidden_size > ONE_KERNEL_MAX_HIDDEN:
+        return f"hidden size {problem.hidden_size} is wider than the one-kernel path's {ONE_KERNEL_MAX_HIDDEN}"
     return _common_unsupported(problem)
 
 
@@ -223,6 +241,17 @@ def _run_pcie(problem: FusionProblem, why: str) -> FusionDecision:
     return FusionDecision(FusionMode.PCIE, why)
 
 
+def _run_one_kernel(problem: FusionProblem, why: str) -> FusionDecision:
+    """The one-kernel PCIe path if it can run and the tokens fit its workspace, else the PCIe two-kernel path
+    (else fallback)."""
+    reason = one_kernel_unsupported(problem)
+    if reason is None and not 1 <= problem.num_tokens <= problem.one_kernel_max_tokens:
+        reason = f"{problem.num_tokens} tokens do not fit its workspace ({problem.one_kernel_max_tokens} tokens)"
+    if reason is None:
+        return FusionDecision(FusionMode.PCIE_ONE_KERNEL, why)
+    return _run_pcie(problem, f"{why} chose the one kernel, which cannot run here ({reason}); the PCIe two-kernel path")
+
+
 def preferred_implementation(problem: FusionProblem, settings: FusionSettings, entry: ThresholdEntry | None) -> tuple[FusionMode, str]:
     """What the table wants for this problem before workspace capacity is considered, and why."""
     if not settings.enabled:
@@ -263,4 +292,6 @@ def decide(problem: FusionProblem, settings: FusionSettings, entry: ThresholdEnt
         return FusionDecision(FusionMode.FALLBACK, why)
     if wanted is FusionMode.PCIE:
         return _run_pcie(problem, why)
+    if wanted is FusionMode.PCIE_ONE_KERNEL:
+        return _run_one_kernel(problem, why)
     return _run_trtllm(problem, wanted, why)

@@ -7,7 +7,10 @@ Environment variables (an empty value counts as unset):
 - `FXFUSE_FUSION`: `auto` (default: the decision table picks), `oneshot` / `twoshot` (force that
   algorithm of FlashInfer's TensorRT-LLM kernel wherever it can run at all, whatever the topology:
   the explicit opt-in for PCIe or NVLink-bridge groups), `pcie` (force FlashInfer's PCIe all-reduce
-  where it can run), `off` (never fused: NCCL all-reduce + the fused add-RMSNorm kernel).
+  where it can run), `pcie_one_kernel` (force fxfuse's one-kernel all-reduce + norm over CUDA IPC where it
+  can run, else the PCIe two-kernel path; experimental until its GPU tests have run; normally a thresholds
+  file chooses it, see `fxfuse tune pcie --one-kernel`),
+  `off` (never fused: NCCL all-reduce + the fused add-RMSNorm kernel).
 - `FXFUSE_MAX_TOKENS`: token capacity of workspaces created implicitly (default 512).
 - `FXFUSE_TOPOLOGY`: `auto` (default: detected) or `nvswitch` / `nvlink` / `pcie` / `none`.
 - `FXFUSE_PCIE_PROFILE`: FlashInfer PCIe interconnect label (`rootcplx` or `pcieswitch`), instead
@@ -25,6 +28,7 @@ from typing import Mapping
 
 from fxfuse.op.decide.environment import env_setting
 from fxfuse.op.decide.modes import FusionMode
+from fxfuse.op.decide.thresholds import ThresholdTable
 from fxfuse.op.decide.topology import Topology
 
 #: Workspace size (tokens) when a workspace is created implicitly on first call, and the most it may be set to.
@@ -37,7 +41,7 @@ ENV_TOPOLOGY = "FXFUSE_TOPOLOGY"
 ENV_PCIE_PROFILE = "FXFUSE_PCIE_PROFILE"
 ENV_PCIE_TUNE_CACHE = "FXFUSE_PCIE_TUNE_CACHE"
 
-FUSION_CHOICES = ("auto", "oneshot", "twoshot", "pcie", "off")
+FUSION_CHOICES = ("auto", "oneshot", "twoshot", "pcie", "pcie_one_kernel", "off")
 PCIE_PROFILES = ("rootcplx", "pcieswitch")
 
 
@@ -45,7 +49,7 @@ PCIE_PROFILES = ("rootcplx", "pcieswitch")
 class FusionSettings:
     """User choices that steer the decision; they must be identical on all ranks.
 
-    `enabled` False always runs NCCL + the fused norm. `force_mode` (one-shot, two-shot or PCIe)
+    `enabled` False always runs NCCL + the fused norm. `force_mode` (one-shot, two-shot, PCIe or PCIe one-kernel)
     overrides the thresholds table, the topology and FlashInfer's heuristic wherever that
     implementation can run. `max_tokens` sizes a workspace created implicitly on first call.
     `topology` replaces the detected topology when set. `pcie_profile` and `pcie_tune_cache` are
@@ -61,22 +65,44 @@ class FusionSettings:
 
     @property
     def fusion(self) -> str:
-        """The `FXFUSE_FUSION` value these settings stand for: auto, oneshot, twoshot, pcie or off."""
+        """The `FXFUSE_FUSION` value these settings stand for: auto, oneshot, twoshot, pcie, pcie_one_kernel or off."""
         if not self.enabled:
             return "off"
         return "auto" if self.force_mode is None else self.force_mode.value
 
     def __post_init__(self) -> None:
         if self.force_mode is FusionMode.FALLBACK:
-            raise ValueError("force_mode must be oneshot, twoshot or pcie; use enabled=False to always fall back")
+            raise ValueError("force_mode must be oneshot, twoshot, pcie or pcie_one_kernel; use enabled=False to always fall back")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
         if self.pcie_profile is not None and self.pcie_profile not in PCIE_PROFILES:
             raise ValueError(f"pcie_profile must be one of {PCIE_PROFILES}, got {self.pcie_profile!r}")
 
 
-def what_fused_sites_run(settings: FusionSettings) -> str:
-    """One sentence: what a fused site runs under `settings` (the same in `fxfuse report` as in a run)."""
+def what_fused_sites_run(settings: FusionSettings, table: ThresholdTable | None = None) -> str:
+    """One sentence: what a fused site runs under `settings` (the same in `fxfuse report` as in a run), and
+    where the thresholds `table` (FXFUSE_THRESHOLDS, written by `fxfuse tune pcie`) chooses the one-kernel
+    PCIe path."""
+    tuned = one_kernel_choices(table) if table is not None and settings.enabled and settings.force_mode is None else ""
+    return _what_runs(settings) + (f"; the thresholds file chooses fxfuse's one-kernel PCIe path for {tuned}" if tuned else "")
+
+
+def one_kernel_choices(table: ThresholdTable) -> str:
+    """The entries of `table` that choose the one-kernel PCIe path, and their token counts, in words ("" if none)."""
+    choices = []
+    for entry in table.entries.values():
+        counts, low = [], 1
+        for token_range in entry.ranges:
+            if token_range.mode is FusionMode.PCIE_ONE_KERNEL:
+                counts.append(f"{low}-{token_range.max_tokens}" if low < token_range.max_tokens else str(low))
+            low = token_range.max_tokens + 1
+        if counts:
+            choices.append(f"{entry.gpu} x{entry.world_size}, hidden {entry.hidden_size} {entry.dtype}: "
+                           f"{', '.join(counts)} tokens")
+    return "; ".join(choices)
+
+
+def _what_runs(settings: FusionSettings) -> str:
     if not settings.enabled:
         return (f"{ENV_FUSION}=off: every fused site runs the NCCL all-reduce + the fused add-RMSNorm kernel "
                 "(gloo + the reference norm on CPU), never a fused all-reduce kernel")
@@ -84,8 +110,8 @@ def what_fused_sites_run(settings: FusionSettings) -> str:
         return (f"{ENV_FUSION}={settings.force_mode.value}: fused sites run {settings.force_mode.value} wherever it can run, "
                 "else NCCL + the fused add-RMSNorm kernel")
     return ("fused sites run what the ranks agree on at the first call: FlashInfer's TensorRT-LLM kernel on NVSwitch "
-            "GPUs, its PCIe all-reduce + the fused norm on PCIe GPUs, else NCCL + the fused norm (gloo + the "
-            "reference norm on CPU)")
+            "GPUs, its PCIe all-reduce + the fused norm on PCIe GPUs (fxfuse's one-kernel PCIe path where a thresholds "
+            "file measured it faster), else NCCL + the fused norm (gloo + the reference norm on CPU)")
 
 
 def settings_from_env(environ: Mapping[str, str]) -> FusionSettings:
@@ -117,7 +143,7 @@ def settings_from_env(environ: Mapping[str, str]) -> FusionSettings:
         raise ValueError(f"{ENV_PCIE_PROFILE}={profile!r}: expected one of {', '.join(PCIE_PROFILES)}")
     return FusionSettings(
         enabled=fusion != "off",
-        force_mode=FusionMode(fusion) if fusion in ("oneshot", "twoshot", "pcie") else None,
+        force_mode=FusionMode(fusion) if fusion not in ("auto", "off") else None,
         max_tokens=max_tokens,
         topology=None if topology == "auto" else Topology(topology),
         pcie_profile=profile,

@@ -24,7 +24,7 @@ from fxfuse.op.kernels.native_fallback import forget_shapes, native_installed, r
 from fxfuse.op.reference import check_arguments, resolve_group
 from fxfuse.op.runtime.planning import plan_all_reduce, plan_call
 from fxfuse.op.runtime.plans import PLAIN_NORM, CallPlan, Fp8Epilogue, NcclPlan
-from fxfuse.op.runtime.workspace import PCIE, TRTLLM
+from fxfuse.op.runtime.workspace import REGISTRIES
 
 PlanKey = tuple  # (group name, tokens, hidden, x / weight / residual dtypes, weight offset, weight in fp32[, FP8 recipe])
 #: The last element of the all-reduce-only op's keys: (group name, tokens, hidden, dtype, ALL_REDUCE_ONLY).
@@ -43,7 +43,7 @@ def _forget_group_state(group_name: str) -> None:
     """All of the runtime's state of a group name that now means another group: plans, C++ shapes, and
     workspaces (retired: captured graphs may still replay them; never used for the new group)."""
     forget_plans(group_name)
-    for registry in (TRTLLM, PCIE):
+    for registry in REGISTRIES:
         registry.forget_group(group_name)
 
 

@@ -22,8 +22,12 @@ from fxfuse.op.decide.modes import FusionMode
 from fxfuse.op.decide.policy import FusionDecision, trtllm_token_cap
 from fxfuse.op.fp8_recipe import WARM_UP_LIMITS, Fp8Recipe
 from fxfuse.op.kernels.add_rmsnorm_kernel import add_rmsnorm_into
-from fxfuse.op.runtime.plans import PLAIN_NORM, CallPlan, Fp8Epilogue, NcclPlan, PciePlan, TrtllmPlan, residual_out_buffer
-from fxfuse.op.runtime.workspace import PCIE, TRTLLM
+from fxfuse.op.kernels.one_shot_all_reduce_norm import Epilogue, Fp8Outputs, all_reduce_norm_into
+from fxfuse.op.runtime.one_kernel_pcie import ONE_KERNEL_MAX_TOKENS
+from fxfuse.op.runtime.plans import (
+    PLAIN_NORM, CallPlan, Fp8Epilogue, NcclPlan, PcieOneKernelPlan, PciePlan, TrtllmPlan, residual_out_buffer,
+)
+from fxfuse.op.runtime.workspace import ONE_KERNEL, PCIE, REGISTRIES, TRTLLM, WorkspaceRegistry
 
 
 def trtllm_capacity(config: GroupConfig, hidden: int, dtype: torch.dtype, wanted_tokens: int) -> int:
@@ -44,10 +48,40 @@ def pcie_capacity(config: GroupConfig, hidden: int, dtype: torch.dtype, wanted_t
     return 0 if PCIE.failure(config.group_name, hidden, dtype) is not None else wanted_tokens
 
 
+def one_kernel_capacity(config: GroupConfig, hidden: int, dtype: torch.dtype, wanted_tokens: int) -> int:
+    """Tokens the group's one-kernel PCIe workspace holds (existing), or would hold if created now (at most
+    ONE_KERNEL_MAX_TOKENS); 0 if failed."""
+    existing = ONE_KERNEL.lookup(config.group_name, hidden, dtype)
+    if existing is not None:
+        return existing.max_tokens
+    return 0 if ONE_KERNEL.failure(config.group_name, hidden, dtype) is not None else min(wanted_tokens, ONE_KERNEL_MAX_TOKENS)
+
+
+def capacities(config: GroupConfig, hidden: int, dtype: torch.dtype, wanted_tokens: int) -> dict[str, int]:
+    """Every fused implementation's workspace capacity, as `problem_for`'s keyword arguments."""
+    return {"trtllm_max_tokens": trtllm_capacity(config, hidden, dtype, wanted_tokens),
+            "pcie_max_tokens": pcie_capacity(config, hidden, dtype, wanted_tokens),
+            "one_kernel_max_tokens": one_kernel_capacity(config, hidden, dtype, wanted_tokens)}
+
+
 def workspace_failures(group_name: str, hidden: int, dtype: torch.dtype) -> list[str]:
     """Why each of the group's workspaces for (hidden, dtype) that could not be made was not."""
     return [f"the {registry.name} workspace could not be made: {failure}"
-            for registry in (TRTLLM, PCIE) if (failure := registry.failure(group_name, hidden, dtype))]
+            for registry in REGISTRIES if (failure := registry.failure(group_name, hidden, dtype))]
+
+
+def registry_for(mode: FusionMode) -> WorkspaceRegistry:
+    """The registry of the workspaces a fused `mode` runs on."""
+    if mode.trtllm:
+        return TRTLLM
+    return ONE_KERNEL if mode is FusionMode.PCIE_ONE_KERNEL else PCIE
+
+
+def fused_plan(group: dist.ProcessGroup, decision: FusionDecision, workspace) -> CallPlan:
+    """The plan of a fused decision on its workspace."""
+    if decision.mode.trtllm:
+        return TrtllmPlan(group, decision, workspace)
+    return (PcieOneKernelPlan if decision.mode is FusionMode.PCIE_ONE_KERNEL else PciePlan)(group, decision, workspace)
 
 
 def ensure_workspace(config: GroupConfig, group: dist.ProcessGroup, mode: FusionMode, hidden: int, dtype, max_tokens: int):
@@ -56,6 +90,9 @@ def ensure_workspace(config: GroupConfig, group: dist.ProcessGroup, mode: Fusion
     if mode.trtllm:
         tokens = min(max_tokens, trtllm_token_cap(world_size, hidden))
         return TRTLLM.ensure(group, hidden, dtype, tokens, lambda k: k.create_workspace(group, rank, world_size, tokens, hidden, dtype))
+    if mode is FusionMode.PCIE_ONE_KERNEL:
+        tokens = min(max_tokens, ONE_KERNEL_MAX_TOKENS)
+        return ONE_KERNEL.ensure(group, hidden, dtype, tokens, lambda k: k.create_workspace(group, tokens, hidden))
     settings = config.settings
     return PCIE.ensure(
         group, hidden, dtype, max_tokens,
@@ -68,19 +105,18 @@ def decide_plan(group: dist.ProcessGroup, tokens: int, hidden: int, dtype, weigh
     """Decide (and create the workspace for, outside capture) one call shape on this group."""
     config = config_of(group)
     wanted = config.settings.max_tokens
-    problem = problem_for(config, tokens, hidden, dtype, weight_dtype, residual_dtype,
-                          trtllm_capacity(config, hidden, dtype, wanted), pcie_capacity(config, hidden, dtype, wanted),
-                          weight_offset)
+    problem = problem_for(config, tokens, hidden, dtype, weight_dtype, residual_dtype, weight_offset=weight_offset,
+                          **capacities(config, hidden, dtype, wanted))
     decision = decide_call(config, problem, workspace_failures(group.group_name, hidden, dtype))
     if not decision.fused:
         return NcclPlan(group, decision)
-    existing = (TRTLLM if decision.mode.trtllm else PCIE).lookup(group.group_name, hidden, dtype)
+    existing = registry_for(decision.mode).lookup(group.group_name, hidden, dtype)
     workspace = existing or ensure_workspace(config, group, decision.mode, hidden, dtype, wanted)
     if workspace is None:  # creation failed on some rank, on all ranks alike: decide again without it
         return decide_plan(group, tokens, hidden, dtype, weight_dtype, residual_dtype, weight_offset)
     if decision.mode is FusionMode.PCIE and not PCIE.kernels.supports(workspace.handle, tokens):
         return NcclPlan(group, FusionDecision(FusionMode.FALLBACK, f"the PCIe kernels do not run {tokens} tokens"))
-    return (PciePlan if decision.mode is FusionMode.PCIE else TrtllmPlan)(group, decision, workspace)
+    return fused_plan(group, decision, workspace)  # the table checked the one kernel's capacity, its workspace's
 
 
 def plan_call(group: dist.ProcessGroup, tokens: int, hidden: int, dtype, weight_dtype, residual_dtype,
@@ -93,7 +129,10 @@ def plan_call(group: dist.ProcessGroup, tokens: int, hidden: int, dtype, weight_
         return plan  # prepare() compiled the kernels; the plan is a function of agreed values only
     norm = (weight_offset, weight_in_fp32)
     steps = LocalSteps()
-    if recipe is not None:
+    if isinstance(plan, PcieOneKernelPlan):
+        steps.run("compiling the one-kernel all-reduce + RMSNorm (Triton)", compile_one_kernel, plan, tokens, dtype,
+                  weight_dtype, residual_dtype, norm, recipe)
+    elif recipe is not None:
         steps.run("compiling the add-RMSNorm + FP8 kernel (Triton)", compile_fp8_kernel, hidden, dtype, weight_dtype,
                   residual_dtype, norm, recipe, not isinstance(plan, TrtllmPlan))
     elif not isinstance(plan, TrtllmPlan):  # the others run the add-RMSNorm kernel after their all-reduce
@@ -116,8 +155,12 @@ def plan_all_reduce(group: dist.ProcessGroup, tokens: int, hidden: int, dtype) -
     plan.only_all_reduce = True
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return plan
+    steps = LocalSteps()
+    if isinstance(plan, PcieOneKernelPlan):
+        steps.run("compiling the one-kernel all-reduce (Triton)", compile_one_kernel, plan, tokens, dtype, dtype, None,
+                  PLAIN_NORM, None, True)
     agreed = (type(plan).__name__, plan.decision.mode.value, tokens, hidden, str(dtype), "all_reduce")
-    reason = agreed_failure(None, group, agreed)
+    reason = agreed_failure(steps.failure, group, agreed)
     if reason is not None:
         raise RankStepFailed(f"planning the all-reduce-only op for {tokens} tokens x hidden {hidden} failed on every "
                              f"rank of process group {group.group_name!r} because of {reason}")
@@ -153,3 +196,24 @@ def compile_fp8_kernel(hidden: int, dtype: torch.dtype, weight_dtype, residual_d
         epilogue.run(row, residual, weight, 1e-6, residual_out, norm)
     else:
         epilogue.quantize(row)
+
+
+def compile_one_kernel(plan: PcieOneKernelPlan, tokens: int, dtype: torch.dtype, weight_dtype, residual_dtype, norm: tuple,
+                       recipe: Fp8Recipe | None, only_all_reduce: bool = False) -> None:
+    """Compile (without launching: a launch is a collective) the one kernel for `tokens` rows with these dtypes,
+    `norm` and `recipe` (the add-RMSNorm + FP8 epilogue), or with no epilogue (`only_all_reduce`)."""
+    row, residual, weight, residual_out = _one_row(plan.workspace.handle.peers.hidden, dtype, weight_dtype, residual_dtype)
+    x = row.expand(tokens, -1).contiguous()
+    fp8 = None
+    if only_all_reduce:
+        epilogue = Epilogue.ALL_REDUCE
+    elif recipe is None:
+        epilogue = Epilogue.NORM
+    else:
+        epilogue = Epilogue.FP8
+        static_scale = None if recipe.dynamic else torch.ones((), device=row.device)
+        quantized, scales, _ = Fp8Epilogue(recipe, static_scale, False, WARM_UP_LIMITS).outputs(x)
+        fp8 = Fp8Outputs(recipe, static_scale, quantized, scales, WARM_UP_LIMITS)
+    normed = None if epilogue is Epilogue.FP8 else torch.empty_like(x)  # as the plan's first call: the norm not returned
+    all_reduce_norm_into(plan.workspace.handle.peers, x, epilogue, residual, weight, 1e-6, residual_out, normed, norm[0],
+                         norm[1], fp8, compile_only=True)

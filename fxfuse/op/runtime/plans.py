@@ -3,6 +3,8 @@
 A plan is made once per call shape (`fxfuse.op.runtime.planning`) and called for every call of it:
 - `TrtllmPlan`: FlashInfer's TensorRT-LLM kernel, one-shot or two-shot (one launch);
 - `PciePlan`: FlashInfer's PCIe IPC all-reduce, then the fused add-RMSNorm kernel;
+- `PcieOneKernelPlan`: fxfuse's one-shot all-reduce over CUDA IPC with the add-RMSNorm (+ FP8) in the same
+  launch (`fxfuse.op.kernels.one_shot_all_reduce_norm`);
 - `NcclPlan`: the group's all-reduce (`_c10d_functional.all_reduce_`, as Inductor issues it), then the
   fused add-RMSNorm kernel. When the caller donated `x` (the op's `donate_x` overloads, which the
   backend emits where Inductor can prove `x` is dead), the all-reduce runs in x's memory unless the
@@ -30,7 +32,8 @@ from fxfuse.op.kernels.add_rmsnorm_fp8_kernel import add_rmsnorm_fp8_into, quant
 from fxfuse.op.kernels.add_rmsnorm_kernel import add_rmsnorm_into
 from fxfuse.op.kernels.native_fallback import all_reduce_calls, calls_by_reason, reset_counts
 from fxfuse.op.reference import writable_in_place
-from fxfuse.op.runtime.workspace import PCIE, TRTLLM, FusionWorkspace
+from fxfuse.op.kernels.one_shot_all_reduce_norm import Epilogue, Fp8Outputs
+from fxfuse.op.runtime.workspace import ONE_KERNEL, PCIE, TRTLLM, FusionWorkspace
 
 ALL_REDUCE_ = torch.ops._c10d_functional.all_reduce_.default
 WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
@@ -255,6 +258,53 @@ class PciePlan(CallPlan):
         PCIE.note_use(self.workspace)
         PCIE.kernels.all_reduce(self.workspace.handle, x2d, reduced)
         return reduced, None if residual is None else aligned(residual.reshape(-1, hidden))
+
+
+@dataclass
+class PcieOneKernelPlan(CallPlan):
+    """The one-kernel PCIe path: the all-reduce and the add-RMSNorm (+ FP8) in one launch, into fresh buffers."""
+
+    workspace: FusionWorkspace | None = None
+
+    def __call__(self, x, residual, weight, eps, x_donated, norm: tuple = PLAIN_NORM):
+        x2d, residual2d = self._rows(x, residual)
+        normed, residual_out = torch.empty_like(x2d), self._residual_out(x2d, residual2d)
+        self._run(x2d, Epilogue.NORM, residual=residual2d, weight=aligned(weight), eps=eps, residual_out=residual_out,
+                  normed=normed, weight_offset=norm[0], weight_in_fp32=norm[1])
+        self.count(x.shape[-1], x.dtype)
+        return normed.view(x.shape), residual_out.view(x.shape)
+
+    def fp8(self, x, residual, weight, eps, x_donated, epilogue: Fp8Epilogue, norm: tuple = PLAIN_NORM):
+        x2d, residual2d = self._rows(x, residual)
+        quantized, scales, normed = epilogue.outputs(x2d)
+        residual_out = self._residual_out(x2d, residual2d)
+        self._run(x2d, Epilogue.FP8, residual=residual2d, weight=aligned(weight), eps=eps, residual_out=residual_out,
+                  normed=normed if epilogue.return_normed else None, weight_offset=norm[0], weight_in_fp32=norm[1],
+                  fp8=Fp8Outputs(epilogue.recipe, epilogue.static_scale, quantized, scales, epilogue.limits))
+        self.count(x.shape[-1], x.dtype)
+        shape = x.shape
+        return (quantized.view(shape), scales.view(*shape[:-1], -1) if scales.numel() else scales, residual_out.view(shape),
+                normed.view(shape) if normed.numel() else normed)
+
+    def all_reduce(self, x, in_place: bool):
+        """The all-reduce-only op: the kernel with no epilogue into a fresh buffer (copied into `x` when `in_place`)."""
+        x2d, _ = self._rows(x, None)
+        reduced = torch.empty_like(x2d)
+        self._run(x2d, Epilogue.ALL_REDUCE, normed=reduced)
+        self.count(x.shape[-1], x.dtype)
+        return copied_back(x, reduced, in_place)
+
+    def _rows(self, x, residual):
+        hidden = x.shape[-1]
+        return aligned(x.reshape(-1, hidden)), None if residual is None else aligned(residual.reshape(-1, hidden))
+
+    @staticmethod
+    def _residual_out(x2d, residual2d):
+        return torch.empty_like(x2d, dtype=x2d.dtype if residual2d is None else residual2d.dtype)
+
+    def _run(self, x2d, epilogue: Epilogue, **arguments) -> None:
+        ONE_KERNEL.note_use(self.workspace)
+        ONE_KERNEL.kernels.run(self.workspace.handle, x2d, epilogue, **arguments)
 
 
 def copied_back(x: torch.Tensor, reduced: torch.Tensor, in_place: bool) -> torch.Tensor:

@@ -15,17 +15,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fxfuse.op.decide.agreement import LocalSteps, agreed_failure
+from fxfuse.op.decide.agreement import LocalSteps, RankStepFailed, agreed_failure
 from fxfuse.op.decide.call_decision import problem_for, thresholds_entry
 from fxfuse.op.decide.group_config import config_of
 from fxfuse.op.decide.modes import FusionMode
 from fxfuse.op.decide.policy import FusionDecision, decide
 from fxfuse.op.reference import resolve_group
 from fxfuse.op.runtime.cuda_dispatch import forget_plans
-from fxfuse.op.runtime.planning import compile_norm_kernel, ensure_workspace, pcie_capacity, trtllm_capacity
-from fxfuse.op.runtime.plans import CallPlan, NcclPlan, PciePlan, TrtllmPlan, fusion_stats, reset_fusion_stats
+from fxfuse.op.runtime.planning import capacities, compile_norm_kernel, compile_one_kernel, ensure_workspace, fused_plan
+from fxfuse.op.runtime.plans import PLAIN_NORM, CallPlan, NcclPlan, fusion_stats, reset_fusion_stats
 from fxfuse.op.runtime.registration import install_native_fallback
-from fxfuse.op.runtime.workspace import PCIE, TRTLLM
+from fxfuse.op.runtime.workspace import ONE_KERNEL, REGISTRIES
 
 __all__ = ["destroy_workspaces", "forced_plan", "fusion_stats", "prepare", "reset_fusion_stats"]
 
@@ -34,7 +34,7 @@ def prepare(
     group: dist.ProcessGroup | None, hidden_size: int, dtype: torch.dtype, max_tokens: int | None = None
 ) -> bool:
     """Make the fused op ready for (group, hidden_size, dtype) up to `max_tokens` tokens; True if a fused
-    all-reduce (TensorRT-LLM or PCIe) will run for some of those token counts.
+    all-reduce (TensorRT-LLM, PCIe or the one-kernel PCIe path) will run for some of those token counts.
 
     Collective: every rank of `group` (None: the world group) calls it with the same arguments,
     outside CUDA-graph capture and before capturing graphs that contain the op. `max_tokens` (default
@@ -55,9 +55,9 @@ def prepare(
     config = config_of(group)
     max_tokens = max_tokens or config.settings.max_tokens
     entry = thresholds_entry(config, hidden_size, dtype)
-    capacities = trtllm_capacity(config, hidden_size, dtype, max_tokens), pcie_capacity(config, hidden_size, dtype, max_tokens)
+    room = capacities(config, hidden_size, dtype, max_tokens)
     wanted = {
-        decide(problem_for(config, tokens, hidden_size, dtype, dtype, dtype, *capacities), config.settings, entry).mode
+        decide(problem_for(config, tokens, hidden_size, dtype, dtype, dtype, **room), config.settings, entry).mode
         for tokens in range(1, max_tokens + 1)
     }
     kinds = {FusionMode.ONESHOT if m.trtllm else m for m in wanted if m is not FusionMode.FALLBACK}
@@ -65,7 +65,22 @@ def prepare(
     forget_plans(group.group_name)
     for residual_dtype in (dtype, None):  # so that a first call during CUDA-graph capture does not compile
         compile_norm_kernel(hidden_size, dtype, dtype, residual_dtype)
+    one_kernel = ONE_KERNEL.lookup(group.group_name, hidden_size, dtype)
+    if FusionMode.PCIE_ONE_KERNEL in kinds and one_kernel is not None:  # the same on every rank: both were agreed
+        _compile_one_kernel_agreed(group, fused_plan(group, FusionDecision(FusionMode.PCIE_ONE_KERNEL, "prepare"), one_kernel),
+                                   dtype)
     return any(ready)
+
+
+def _compile_one_kernel_agreed(group: dist.ProcessGroup, plan: CallPlan, dtype: torch.dtype) -> None:
+    """Compile the one kernel with and without a residual on every rank; `RankStepFailed` on every rank if any failed."""
+    steps = LocalSteps()
+    for residual_dtype in (dtype, None):
+        steps.run("compiling the one-kernel all-reduce + RMSNorm (Triton)", compile_one_kernel, plan, 1, dtype, dtype,
+                  residual_dtype, PLAIN_NORM, None)
+    reason = agreed_failure(steps.failure, group)
+    if reason is not None:
+        raise RankStepFailed(f"fxfuse.prepare failed on every rank of process group {group.group_name!r} because of {reason}")
 
 
 #: The activation dtypes the fused op takes.
@@ -96,7 +111,7 @@ def destroy_workspaces(group: dist.ProcessGroup | None = None, graphs_released: 
     free would write through freed memory. Cached plans are dropped in every case, so no call uses a
     freed workspace. Workspaces not freed this way are released locally at interpreter exit.
     """
-    names = [group.group_name] if group is not None else sorted(TRTLLM.group_names() | PCIE.group_names())
+    names = [group.group_name] if group is not None else sorted(set().union(*(r.group_names() for r in REGISTRIES)))
     try:
         for name in names:
             _destroy_group_workspaces(group if group is not None else resolve_group(name), graphs_released)
@@ -107,12 +122,12 @@ def destroy_workspaces(group: dist.ProcessGroup | None = None, graphs_released: 
 def _destroy_group_workspaces(group: dist.ProcessGroup, graphs_released: bool) -> None:
     """Agree that no rank refuses (a captured workspace), then free every registry's workspaces of `group`."""
     steps = LocalSteps()
-    for registry in (TRTLLM, PCIE):
+    for registry in REGISTRIES:
         steps.run(f"checking the {registry.name} workspaces", registry.check_destroyable, group.group_name, graphs_released)
     refusal = agreed_failure(steps.failure, group)
     if refusal is not None:
         raise RuntimeError(f"fxfuse.destroy_workspaces freed nothing of process group {group.group_name!r}: {refusal}")
-    for registry in (TRTLLM, PCIE):
+    for registry in REGISTRIES:
         registry.destroy(group)
 
 
@@ -126,4 +141,4 @@ def forced_plan(group: dist.ProcessGroup, mode: FusionMode, hidden_size: int, dt
     workspace = ensure_workspace(config, group, mode, hidden_size, dtype, max_tokens)
     if workspace is None:
         return None
-    return (PciePlan if mode is FusionMode.PCIE else TrtllmPlan)(group, decision, workspace)
+    return fused_plan(group, decision, workspace)

@@ -22,8 +22,8 @@ PCIe all-reduce's). The rules, which every rank follows identically:
      every stream that ran a call on them (and the current stream) finished its work within a bounded
      wait (a rank whose peer died mid-kernel would spin forever, and freeing would block behind it);
      if that work does not finish, it says so and leaves the rest to process teardown.
-The registry holds no tensor-parallel state beyond this cache, keyed by group name. `TRTLLM` and
-`PCIE` are this process's two registries.
+The registry holds no tensor-parallel state beyond this cache, keyed by group name. `TRTLLM`, `PCIE`
+and `ONE_KERNEL` (the one-kernel PCIe path's) are this process's registries, `REGISTRIES` all three.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from fxfuse.op.decide.agreement import LocalSteps, agreed_failure
+from fxfuse.op.runtime.one_kernel_pcie import OneKernelPcieKernels, one_kernel_workspace_bytes
 from fxfuse.op.runtime.pcie_kernels import PcieAllReduceKernels, pcie_workspace_bytes
 from fxfuse.op.runtime.trtllm_kernels import TrtllmFusionKernels, trtllm_layout
 
@@ -297,6 +298,8 @@ def _cuda_streams_idle(streams: set, timeout_s: float) -> bool:
     return True
 
 
-#: This process's TensorRT-LLM and PCIe workspaces.
+#: This process's TensorRT-LLM, PCIe and one-kernel PCIe workspaces.
 TRTLLM = WorkspaceRegistry("TensorRT-LLM", TrtllmFusionKernels, workspace_bytes)
 PCIE = WorkspaceRegistry("PCIe", PcieAllReduceKernels, pcie_workspace_bytes)
+ONE_KERNEL = WorkspaceRegistry("PCIe one-kernel", OneKernelPcieKernels, one_kernel_workspace_bytes)
+REGISTRIES = (TRTLLM, PCIE, ONE_KERNEL)
