@@ -436,21 +436,23 @@ def _plan_command(args) -> int:
 
 
 def _add_tune_parser(commands) -> None:
-    from fxfuse.runner.tune_pcie import add_tune_pcie_arguments
+    from fxfuse.bench.tune_pcie import add_tune_pcie_arguments
 
-    p = _subcommand(commands, "tune", None, help="measure FlashInfer's PCIe all-reduce launch configurations (CUDA)",
+    p = _subcommand(commands, "tune", None, help="tune FlashInfer's PCIe all-reduce, then time one kernel against two (CUDA)",
                     description="Tune once per machine; `fxfuse tune pcie --help` says how.")
     p.set_defaults(missing="choose what to tune: pcie")
     names = p.add_subparsers(dest="tuned", metavar="WHAT")
     pcie = _subcommand(names, "pcie", _tune_command, help="FlashInfer's PCIe IPC all-reduce (FlashInfer >= 0.7.2)",
                        description="Measure FlashInfer's PCIe all-reduce launch configurations on this machine and "
-                                   "write its tuning file (collective over one GPU per rank).")
+                                   "write its tuning file, then time fxfuse's one-kernel PCIe path against the two-kernel "
+                                   "path per token count and write a thresholds file choosing the faster (collective over "
+                                   "one GPU per rank).")
     add_tune_pcie_arguments(pcie)
 
 
 def _tune_command(args) -> int:
     from fxfuse.runner.op_settings import checked_op_settings
-    from fxfuse.runner.tune_pcie import main as tune_main
+    from fxfuse.bench.tune_pcie import main as tune_main
 
     checked_op_settings(tune_cache_written=True)  # FXFUSE_PCIE_PROFILE and the others the workspace is made with
     start = args.argv.index("pcie", args.argv.index("tune") + 1) + 1

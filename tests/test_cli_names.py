@@ -29,7 +29,7 @@ def parsed(argv: list[str]):
 
         return {"model": model_args, "kernel": kernel_args}[argv[1]](argv[2:])
     if argv[0] == "tune":
-        from fxfuse.runner.tune_pcie import parse_args
+        from fxfuse.bench.tune_pcie import parse_args
 
         return parse_args(argv[2:])
     return build_parser().parse_args(argv)

@@ -82,7 +82,7 @@ COMPILE_BACKENDS = ("inductor", "fxfuse")
 DEFAULT_COMPILE_LAYERS = 4
 DEFAULT_COMPILE_REPEATS = 3
 #: The kernel benchmark's variants, in table order (their report titles: `fxfuse.bench.kernel_report.VARIANTS`).
-KERNEL_VARIANTS = ("fused-oneshot", "fused-twoshot", "pcie", "fallback", "nccl+inductor")
+KERNEL_VARIANTS = ("fused-oneshot", "fused-twoshot", "pcie", "pcie-one-kernel", "fallback", "nccl+inductor")
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:

@@ -3,6 +3,7 @@
 Variants (each checked against an fp32 reference, then timed by CUDA-graph replay):
   fused-oneshot / fused-twoshot   FlashInfer's TensorRT-LLM kernel, as the fused op runs it
   pcie                            FlashInfer's PCIe IPC all-reduce + the fused add-RMSNorm kernel (>= 0.7.2)
+  pcie-one-kernel                 fxfuse's one-kernel all-reduce + add-RMSNorm over CUDA IPC (up to 256 tokens)
   fallback                        the fused op's NCCL path: all-reduce + the fused add-RMSNorm kernel
   nccl+inductor                   unfused: NCCL all-reduce, then add + RMSNorm compiled by Inductor
 Defaults: tokens 1, 2, 4, ..., 2048; hidden 7168 and 4096; bf16. A timing is the median over
@@ -235,13 +236,15 @@ class _RankBench:
                                     trtllm_max_tokens=tokens)
             if mode not in feasible_trtllm_modes(problem):
                 return f"{mode.value} cannot run {tokens} tokens on {self.ctx.world_size} ranks"
-        if mode.trtllm or mode is FusionMode.PCIE:
-            kind = "trtllm" if mode.trtllm else "pcie"
+        if mode.trtllm or mode in (FusionMode.PCIE, FusionMode.PCIE_ONE_KERNEL):
+            kind = "trtllm" if mode.trtllm else mode.value
             if kind not in self.plans:  # one workspace per kind and hidden size, made collectively
                 self.plans[kind] = forced_plan(self.ctx.group, mode, hidden, x.dtype, max(self.config.tokens))
             if self.plans[kind] is None:
                 return f"{variant} workspace unavailable (see the log)"
             plan = self.plans[kind]
+            if tokens > plan.workspace.max_tokens:
+                return f"{variant} holds at most {plan.workspace.max_tokens} tokens"
             decision = dataclasses.replace(plan.decision, mode=mode)
             plan = dataclasses.replace(plan, decision=decision)
         else:

@@ -20,12 +20,13 @@ VARIANTS = {
     "fused-oneshot": "fused one-shot",
     "fused-twoshot": "fused two-shot",
     "pcie": "PCIe all-reduce + fused norm",
+    "pcie-one-kernel": "one-kernel PCIe all-reduce + norm",
     "fallback": "fxfuse fallback (NCCL + fused norm)",
     "nccl+inductor": "unfused: NCCL + Inductor add-RMSNorm",
 }
 #: Variants that run an implementation of the fused op, and which one.
 FUSED_MODES = {"fused-oneshot": FusionMode.ONESHOT, "fused-twoshot": FusionMode.TWOSHOT, "pcie": FusionMode.PCIE,
-               "fallback": FusionMode.FALLBACK}
+               "pcie-one-kernel": FusionMode.PCIE_ONE_KERNEL, "fallback": FusionMode.FALLBACK}
 
 
 def file_stem(gpu: str, world_size: int, stamp: str) -> str:
@@ -46,7 +47,8 @@ def _cell(row: dict[str, Any] | None, meaningful: bool) -> str:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    """A markdown summary: header facts, then one table of medians (µs per call) per hidden size."""
+    """A markdown summary: header facts, then one table of medians (µs per call) per hidden size, with a column
+    per variant the run measured."""
     meaningful = report["timings_meaningful"]
     lines = header_lines(f"fxfuse bench kernel: {report['gpu']}, {report['world_size']} ranks, {report['dtype']}", report) + [
         f"- timing: CUDA-graph replay of {report['graph_iters']} calls, median of {report['repeats']} replays, "
@@ -57,11 +59,12 @@ def markdown(report: dict[str, Any]) -> str:
     if not meaningful:
         lines.append(f"- **timings not meaningful**: {report['timing_note']} (values marked *)")
     by_key = {(r["hidden"], r["tokens"], r["variant"]): r for r in report["results"]}
+    shown = [v for v in VARIANTS if any(r["variant"] == v for r in report["results"])]  # the variants this run had
     for hidden in report["hidden_sizes"]:
-        lines += ["", f"## hidden {hidden}", "", "| tokens | " + " | ".join(VARIANTS.values()) + " |",
-                  "|---:|" + "---:|" * len(VARIANTS)]
+        lines += ["", f"## hidden {hidden}", "", "| tokens | " + " | ".join(VARIANTS[v] for v in shown) + " |",
+                  "|---:|" + "---:|" * len(shown)]
         for tokens in report["tokens"]:
-            cells = [_cell(by_key.get((hidden, tokens, v)), meaningful) for v in VARIANTS]
+            cells = [_cell(by_key.get((hidden, tokens, v)), meaningful) for v in shown]
             lines.append(f"| {tokens} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
