@@ -4,7 +4,8 @@ Two ranks share ONE GPU over a gloo group (NCCL refuses two ranks on one device)
 TensorRT-LLM kernel's workspace from CUDA-IPC buffers and FlashInfer's PCIe all-reduce shares its
 own over CUDA IPC, which both work between two processes on one device. Each case runs one path,
 selected as a user would by the topology: `FXFUSE_TOPOLOGY=nvswitch` (the TensorRT-LLM kernel) or
-`pcie` (FlashInfer's PCIe all-reduce + the fused norm, FlashInfer >= 0.7.2). On each rank, in bf16: build the model with random shards, call `fxfuse.prepare`,
+`pcie` (FlashInfer's PCIe all-reduce + the fused norm, FlashInfer >= 0.7.2), or forced: `FXFUSE_FUSION=pcie_one_kernel`
+(fxfuse's one-kernel all-reduce + norm over CUDA IPC, which a tuning file would otherwise choose). On each rank, in bf16: build the model with random shards, call `fxfuse.prepare`,
 compile with `FxfuseBackend(inner=...)` (`dynamic=False`: one static graph for the captured shape),
 both with inner "inductor" (what `backend="fxfuse"` is) and inner "eager" (the passes, then the
 graph as is), run it once and check that no all-reduce was left unfused; then capture one step
@@ -62,11 +63,12 @@ REPLAY_TOLERANCE = 5e-3
 #: (model, FxfuseBackend inner compiler ("inductor" is backend="fxfuse"), path).
 CASES = (
     ("deepseek-width", "inductor", "trtllm"), ("tiny", "inductor", "trtllm"), ("tiny", "eager", "trtllm"),
-    ("deepseek-width", "inductor", "pcie"), ("tiny", "inductor", "pcie"),
+    ("deepseek-width", "inductor", "pcie"), ("tiny", "inductor", "pcie"), ("tiny", "inductor", "pcie_one_kernel"),
 )
 PATH_ENV = {"trtllm": {"FXFUSE_TOPOLOGY": "nvswitch"},
-            "pcie": {"FXFUSE_TOPOLOGY": "pcie", "FXFUSE_PCIE_PROFILE": "rootcplx"}}
-PLAN_OF_PATH = {"trtllm": "TrtllmPlan", "pcie": "PciePlan"}
+            "pcie": {"FXFUSE_TOPOLOGY": "pcie", "FXFUSE_PCIE_PROFILE": "rootcplx"},
+            "pcie_one_kernel": {"FXFUSE_TOPOLOGY": "pcie", "FXFUSE_FUSION": "pcie_one_kernel"}}
+PLAN_OF_PATH = {"trtllm": "TrtllmPlan", "pcie": "PciePlan", "pcie_one_kernel": "PcieOneKernelPlan"}
 #: If set, the fxfuse backend writes each rank's graphs before/after the pass under this folder.
 DUMP_DIR_ENV = "FXFUSE_GPU_TEST_DUMP_DIR"
 
@@ -101,7 +103,7 @@ def capture_and_compare(ctx, case: str, inner: str, path: str) -> dict:
     from fxfuse.models.random_weights import init_random_shards
     from fxfuse.op.runtime import cuda_dispatch
     from fxfuse.op.runtime.plans import PLAIN_NORM, fusion_stats, reset_fusion_stats
-    from fxfuse.op.runtime.workspace import PCIE, TRTLLM
+    from fxfuse.op.runtime.workspace import ONE_KERNEL, PCIE, TRTLLM
     from fxfuse.runner.cuda_graph_step import CudaGraphStep
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -112,7 +114,7 @@ def capture_and_compare(ctx, case: str, inner: str, path: str) -> dict:
     report: dict = {"layers": config.num_hidden_layers}
     report["ready"] = fxfuse.prepare(ctx.group, config.hidden_size, torch.bfloat16, max_tokens=BATCH * WIDTH)
     if not report["ready"]:
-        registry = TRTLLM if path == "trtllm" else PCIE
+        registry = {"trtllm": TRTLLM, "pcie": PCIE, "pcie_one_kernel": ONE_KERNEL}[path]
         report["failure"] = registry.failure(ctx.group.group_name, config.hidden_size, torch.bfloat16)
         return report
 

@@ -3,7 +3,8 @@
 The "deepseek-width" case of test_compiled_model_cuda_graph.py (DeepSeek-V3's widths, 3 layers: 1 dense +
 2 MoE, 8 routed experts, every expert routed), whose heads (128), dense and expert FFN widths (18432,
 2048) and vocabulary (129280) all shard 8 ways, compiled with `backend="fxfuse"` (inner Inductor) on 8
-gloo ranks sharing the GPU with the TensorRT-LLM kernel (FXFUSE_TOPOLOGY=nvswitch). That module's three
+gloo ranks sharing the GPU, once with the TensorRT-LLM kernel (FXFUSE_TOPOLOGY=nvswitch) and once with the
+one-kernel PCIe path forced (FXFUSE_TOPOLOGY=pcie FXFUSE_FUSION=pcie_one_kernel). That module's three
 tests run here unchanged, on this module's `case_reports` (imported, so pytest collects them here too,
 with ids ending in `ws8`): every all-reduce site fused (1 + 2 x 3), the fused kernel ran at every site
 while the graph was captured, and the replay on fresh tokens equals the uncaptured compiled step and the
@@ -43,8 +44,10 @@ from fxfuse.runner.launch import run_on_ranks
 pytestmark = FLASHINFER_GPU_MARKS
 
 WORLD_SIZE = 8
-#: (model, FxfuseBackend inner compiler, path), as test_compiled_model_cuda_graph.CASES names them.
+#: (model, FxfuseBackend inner compiler, path), as test_compiled_model_cuda_graph.CASES names them: the
+#: TensorRT-LLM kernel, and the one-kernel PCIe path forced (FXFUSE_FUSION=pcie_one_kernel; it needs no FlashInfer).
 CASE = ("deepseek-width", "inductor", "trtllm")
+ONE_KERNEL_CASE = ("deepseek-width", "inductor", "pcie_one_kernel")
 #: Seconds the spawn may take (FlashInfer's JIT is done before, in this process).
 SPAWN_TIMEOUT_S = 420
 #: GPU memory one rank may hold (context, weights, workspace, Inductor's code, graph pool).
@@ -54,10 +57,10 @@ MAX_DEVICE_BYTES_PER_RANK = 8 << 30
 SPAWN: dict = {}
 
 
-@pytest.fixture(scope="module", params=[CASE], ids=lambda case: "-".join(case) + f"-ws{WORLD_SIZE}")
+@pytest.fixture(scope="module", params=[CASE, ONE_KERNEL_CASE], ids=lambda case: "-".join(case) + f"-ws{WORLD_SIZE}")
 def case_reports(request):
     """((case, inner compiler, path), every rank's report) of one spawn of `WORLD_SIZE` ranks on the GPU."""
-    SPAWN["jit_s"] = build_flashinfer_kernels()
+    SPAWN["jit_s"] = build_flashinfer_kernels() if request.param[2] == "trtllm" else 0.0
     with pytest.MonkeyPatch.context() as env, DeviceMemoryPeak() as memory:
         env.setenv("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or WORLD_SIZE) // WORLD_SIZE)))
         started = time.monotonic()
