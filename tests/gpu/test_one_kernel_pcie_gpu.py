@@ -12,7 +12,12 @@ Two harnesses, each in a spawned process with a timeout (a protocol bug hangs a 
   FlashInfer's PCIe all-reduce (FlashInfer >= 0.7.2), on small integers: the exact sum NCCL gives too (NCCL
   refuses two ranks on one GPU); a rank whose workspace creation fails raising the same error on every rank;
   the tuner's side-by-side timing (`compare_pcie_paths`) running and its thresholds entry written.
-Ranks sharing one GPU prove correctness, never speed. Run with `pytest -m gpu tests/gpu`.
+Ranks sharing one GPU prove correctness, never speed. Run with `pytest -m gpu tests/gpu`; on the lent device, in one
+call (carry [".whl072s"] with bench/results moved out of the tree for the call: the 64 MiB limit), about 5 minutes
+expected (Triton compiles about 40 kernel variants once; FlashInfer's PCIe JIT about 20 s):
+    WHEELS=.whl072s PARTS=tests TESTS="tests/gpu/test_one_kernel_pcie_gpu.py -x -s" TESTS_TIMEOUT_S=560 scripts/gpu_check.sh
+then the compiled model with the path forced: TESTS="tests/gpu/test_compiled_model_cuda_graph.py -k pcie_one_kernel" and
+TESTS="tests/gpu/test_compiled_model_tp8_gpu.py -k pcie_one_kernel".
 """
 
 from __future__ import annotations
