@@ -1,10 +1,11 @@
 """The one-kernel PCIe path on CPU: its kernel under Triton's interpreter, its place in the decision table, its
 setting, and its buffers' initialisation (the GPU tests, tests/gpu/test_one_kernel_pcie_gpu.py, run the ranks).
 
-The interpreter runs a launch's programs one after another, so a rank's call can only finish if its peers'
-rows are already in its receive buffer: the tests below put them there, as a peer's push would, and then
-check what the call pushed to its peers, how it keeps the generations, and its outputs against the two-kernel
-path's kernels (float16: the interpreter does no bfloat16 arithmetic).
+The interpreter runs a launch's programs one after another, so within one process a rank's call can only finish
+if its peers' rows are already in its receive buffer: most tests below put them there, as a peer's push would,
+and then check what the call pushed to its peers, how it keeps the generations, and its outputs against the
+two-kernel path's kernels (float16: the interpreter does no bfloat16 arithmetic). One test runs the ranks as
+processes at once, over buffers mapped into each from files, so that they wait for each other as on a GPU.
 """
 
 from __future__ import annotations
@@ -245,3 +246,69 @@ def test_the_tuners_thresholds_file_needs_the_one_kernel_timing(capsys):
 
     assert main(["--thresholds-out", "t.json"]) == 2
     assert "--thresholds-out is where --one-kernel writes its timings" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- ranks in processes, concurrently
+
+
+CALLS = (3, 1, 4, 2, 4, 1, 1, 3, 2, 4, 4, 1, 2, 3, 1)  # token counts: smaller after larger, so clearing matters
+
+
+def concurrent_rank(ctx, folder: str, programs: int) -> dict:
+    """One rank of processes that share every receive buffer through files mapped into each (the interpreter reads
+    them live, so a rank waits for its peers' pushes as on a GPU): CALLS in order, each checked exactly."""
+    elements = receive_buffer_bytes(ctx.world_size, CAPACITY, HIDDEN) // 2
+    buffers = tuple(torch.from_file(f"{folder}/buffer{r}", shared=True, size=elements, dtype=torch.int16)
+                    for r in range(ctx.world_size))
+    peers = PeerBuffers(buffers, torch.zeros(FLAG_WORDS, dtype=torch.int32), ctx.rank, CAPACITY, HIDDEN)
+    weight = (1 + 0.25 * draw(1, 99)[0]).half()
+    recipe = Fp8Recipe("per_row", 0, 1e-12)
+    mismatches = []
+    for call, tokens in enumerate(CALLS):
+        xs, residual = [draw(tokens, 100 * call + r) for r in range(ctx.world_size)], draw(tokens, 100 * call + 99)
+        reduced = xs[0].float()
+        for x in xs[1:]:
+            reduced = reduced + x.float()
+        reduced = reduced.half()
+        if call % 5 == 4:  # the FP8 epilogue
+            quantized, scales = torch.empty(tokens, HIDDEN, dtype=FP8_DTYPE), torch.empty(tokens, 1)
+            residual_out = torch.empty_like(residual)
+            all_reduce_norm_into(peers, xs[ctx.rank], Epilogue.FP8, residual, weight, 1e-6, residual_out, None,
+                                 fp8=Fp8Outputs(recipe, None, quantized, scales), programs=programs)
+            expected = [torch.empty_like(residual), torch.empty_like(quantized), torch.empty_like(scales)]
+            add_rmsnorm_fp8_into(reduced, residual, weight, 1e-6, recipe, None, expected[0], None, expected[1], expected[2])
+            same = (torch.equal(residual_out, expected[0]) and torch.equal(scales, expected[2])
+                    and torch.equal(quantized.view(torch.uint8), expected[1].view(torch.uint8)))
+        elif call % 5 == 2:  # the all-reduce alone
+            out = torch.empty_like(reduced)
+            all_reduce_norm_into(peers, xs[ctx.rank], Epilogue.ALL_REDUCE, normed=out, programs=programs)
+            same = torch.equal(out, reduced)
+        else:
+            residual_out, normed = torch.empty_like(residual), torch.empty_like(residual)
+            all_reduce_norm_into(peers, xs[ctx.rank], Epilogue.NORM, residual, weight, 1e-6, residual_out, normed,
+                                 programs=programs)
+            expected_normed, expected_residual = add_rmsnorm(reduced, residual, weight, 1e-6)
+            same = torch.equal(residual_out, expected_residual) and torch.equal(normed, expected_normed)
+        if not same:
+            mismatches.append((call, tokens))
+    ctx_barrier = torch.zeros(1)
+    torch.distributed.all_reduce(ctx_barrier, group=ctx.group)  # every rank done before the buffers are read
+    generation = int(peers.flags[0])
+    filled = [int((b.view(3, ctx.world_size, CAPACITY, HIDDEN)[g] != SENTINEL).sum()) for b in buffers[ctx.rank:ctx.rank + 1]
+              for g in range(3)]
+    return {"mismatches": mismatches, "flags": peers.flags.tolist(), "generation": generation, "filled": filled}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size, programs", [(2, 1), (4, 2)])
+def test_ranks_in_processes_run_the_protocol_concurrently(tmp_path, world_size, programs):
+    elements = receive_buffer_bytes(world_size, CAPACITY, HIDDEN) // 2
+    for r in range(world_size):
+        (tmp_path / f"buffer{r}").write_bytes(b"\xff" * (2 * elements))  # the empty value, before any rank maps it
+    reports = run_on_ranks(concurrent_rank, world_size, str(tmp_path), programs, timeout_s=300)
+    last = len(CALLS) % 3 - 1
+    for report in reports:
+        assert report["mismatches"] == []
+        assert report["generation"] == len(CALLS) % 3 and report["flags"][1] == 0
+        # only the last call's rows are left in a rank's buffer: every earlier generation was cleared
+        assert report["filled"] == [world_size * CALLS[-1] * HIDDEN if g == last % 3 else 0 for g in range(3)]
