@@ -94,10 +94,6 @@ class OneKernelPcieKernels:
         bind_to_current_stream(workspace)
         all_reduce_norm_into(workspace.peers, x, epilogue, **outputs)
 
-    def supports(self, workspace: OneKernelWorkspace, num_tokens: int) -> bool:
-        """Whether the workspace holds `num_tokens` rows (the same answer on every rank)."""
-        return 1 <= num_tokens <= workspace.peers.capacity
-
     def destroy_workspace(self, workspace: OneKernelWorkspace, group: dist.ProcessGroup) -> None:
         """Unmap the peers' buffers, wait for every rank, free this rank's (collective)."""
         close_shared_buffers([workspace.shared], group)
