@@ -45,7 +45,7 @@ def add_tune_pcie_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="tuning file to write (default: $FXFUSE_PCIE_TUNE_CACHE, else FlashInfer's path)")
     p.add_argument("--one-kernel", action="store_true",
                    help="also time fxfuse's one-kernel PCIe path against the two-kernel path per token count and write "
-                        "a thresholds file choosing the faster (experimental: not yet run on a GPU)")
+                        "a thresholds file choosing the faster (experimental: not yet run on a GPU; default off)")
     p.add_argument("--thresholds-out", default=None,
                    help="thresholds file the one-kernel vs two-kernel timings are written to, merged into it if it exists "
                         "(default: $FXFUSE_THRESHOLDS, else fxfuse-thresholds-pcie-ws<N>.json beside the tuning file)")
