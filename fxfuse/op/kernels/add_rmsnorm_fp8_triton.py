@@ -1,12 +1,14 @@
 """The Triton kernel behind `fxfuse.op.kernels.add_rmsnorm_fp8_kernel` (imported on its first launch, so that
 importing the op needs no Triton): residual add + RMSNorm + the FP8 quantization of an
 `fxfuse.op.fp8_recipe.Fp8Recipe`, one program per row, and the helpers it calls. The one-kernel PCIe
-all-reduce (`fxfuse.op.kernels.one_shot_triton`) calls the same `add_rmsnorm_tile` and `quantize_tile` on the
-rows it reduces, so both paths run one epilogue."""
+all-reduce (`fxfuse.op.kernels.one_shot_triton`) calls the same `quantize_tile` (and
+`fxfuse.op.kernels.add_rmsnorm_triton.add_rmsnorm_tile`) on the rows it reduces, so both paths run one epilogue."""
 
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from fxfuse.op.kernels.add_rmsnorm_triton import add_rmsnorm_tile
 
 @triton.jit
 def nan_max(a, b):
@@ -55,31 +57,6 @@ def divided(x, divisor, reciprocal):
     corrected = tl.fma(tl.fma(-quotient, divisor, x), reciprocal, quotient)
     exact = tl.where((x == 0.0) & (divisor != 0.0), x * divisor, quotient)
     return tl.where((quotient != 0.0) & (tl.abs(quotient) < float("inf")), corrected, exact)
-
-@triton.jit
-def add_rmsnorm_tile(
-    reduced, residual_ptr, weight_ptr, residual_out_ptr, normed_ptr, offsets, cols, mask, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, STORE_NORMED: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
-):
-    """The residual add and RMSNorm of one all-reduced row held as a [ROWS, COLS] tile (`offsets`: its
-    elements' offsets, `cols`: their columns): writes residual_out (and normed, if STORE_NORMED) and returns
-    normed. The cache hints of fxfuse.op.kernels.add_rmsnorm_kernel (rows read once, the weight by every
-    program, the residual streamed past L2)."""
-    summed = reduced
-    if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_first")
-        summed = reduced.to(residual.dtype) + residual
-    tl.store(residual_out_ptr + offsets, summed, mask=mask, cache_modifier=".cs")
-    h = summed.to(tl.float32)
-    variance = tl.sum(tl.sum(h * h, axis=1), axis=0) / hidden
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last")
-    if WEIGHT_IN_FP32:
-        normed = (h * tl.rsqrt(variance + eps) * (weight.to(tl.float32) + WEIGHT_OFFSET)).to(reduced.dtype)
-    else:
-        normed = weight * (h * tl.rsqrt(variance + eps)).to(summed.dtype)
-    if STORE_NORMED:
-        tl.store(normed_ptr + offsets, normed, mask=mask)
-    return normed
 
 @triton.jit
 def quantize_tile(

@@ -69,33 +69,7 @@ def next_power_of_2(n: int) -> int:
 
 @functools.cache
 def _kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def add_rmsnorm_rows(
-        reduced_ptr, residual_ptr, weight_ptr, residual_out_ptr, normed_ptr,
-        hidden, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, WEIGHT_IN_FP32: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
-    ):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < hidden
-        offsets = row * hidden + cols
-        reduced = tl.load(reduced_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_first")
-        summed = reduced
-        if HAS_RESIDUAL:
-            residual = tl.load(residual_ptr + offsets, mask=mask, other=0.0, eviction_policy="evict_first")
-            summed = reduced.to(residual.dtype) + residual
-        tl.store(residual_out_ptr + offsets, summed, mask=mask, cache_modifier=".cs")
-        h = summed.to(tl.float32)
-        variance = tl.sum(h * h, axis=0) / hidden
-        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last")
-        if WEIGHT_IN_FP32:
-            normed = (h * tl.rsqrt(variance + eps) * (weight.to(tl.float32) + WEIGHT_OFFSET)).to(reduced.dtype)
-        else:
-            normed = weight * (h * tl.rsqrt(variance + eps)).to(summed.dtype)
-        tl.store(normed_ptr + offsets, normed, mask=mask)
+    from fxfuse.op.kernels.add_rmsnorm_triton import add_rmsnorm_rows
 
     return add_rmsnorm_rows
 

@@ -28,7 +28,8 @@ program of its own rank has yet to send. The launch has at most one program per 
 import triton
 import triton.language as tl
 
-from fxfuse.op.kernels.add_rmsnorm_fp8_triton import add_rmsnorm_tile, quantize_tile
+from fxfuse.op.kernels.add_rmsnorm_fp8_triton import quantize_tile
+from fxfuse.op.kernels.add_rmsnorm_triton import add_rmsnorm_tile
 
 #: The receive buffers' empty value (the 16-bit pattern 0xFFFF, read as int16): a NaN no torch
 #: operation produces (torch's NaN is 0x7FC0 in bfloat16, 0x7E00 in float16).
