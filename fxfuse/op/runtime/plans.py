@@ -31,8 +31,8 @@ from fxfuse.op.fp8_recipe import FP8_DTYPE, Fp8Limits, Fp8Recipe, scale_shape
 from fxfuse.op.kernels.add_rmsnorm_fp8_kernel import add_rmsnorm_fp8_into, quantize_fp8_into
 from fxfuse.op.kernels.add_rmsnorm_kernel import add_rmsnorm_into
 from fxfuse.op.kernels.native_fallback import all_reduce_calls, calls_by_reason, reset_counts
-from fxfuse.op.reference import writable_in_place
 from fxfuse.op.kernels.one_shot_all_reduce_norm import Epilogue, Fp8Outputs
+from fxfuse.op.reference import writable_in_place
 from fxfuse.op.runtime.workspace import ONE_KERNEL, PCIE, TRTLLM, FusionWorkspace
 
 ALL_REDUCE_ = torch.ops._c10d_functional.all_reduce_.default
@@ -237,11 +237,8 @@ class PciePlan(CallPlan):
     def fp8(self, x, residual, weight, eps, x_donated, epilogue: Fp8Epilogue, norm: tuple = PLAIN_NORM):
         reduced, residual2d = self._all_reduce(x, residual)
         self.count(x.shape[-1], x.dtype)
-        quantized, scales, residual_out, normed = epilogue.run(reduced, residual2d, weight, eps,
-                                                               residual_out_buffer(reduced, residual2d), norm)
-        shape = x.shape
-        return (quantized.view(shape), scales.view(*shape[:-1], -1) if scales.numel() else scales, residual_out.view(shape),
-                normed.view(shape) if normed.numel() else normed)
+        return fp8_results_shaped_like(x, *epilogue.run(reduced, residual2d, weight, eps,
+                                                        residual_out_buffer(reduced, residual2d), norm))
 
     def all_reduce(self, x, in_place: bool):
         """The all-reduce-only op: the PCIe all-reduce into a fresh buffer (copied into `x` when `in_place`);
@@ -252,12 +249,11 @@ class PciePlan(CallPlan):
 
     def _all_reduce(self, x, residual):
         """(x all-reduced over the group into a fresh [tokens, hidden] buffer, the residual as [tokens, hidden])."""
-        hidden = x.shape[-1]
-        x2d = aligned(x.reshape(-1, hidden))
+        x2d, residual2d = as_rows(x, residual)
         reduced = torch.empty_like(x2d)
         PCIE.note_use(self.workspace)
         PCIE.kernels.all_reduce(self.workspace.handle, x2d, reduced)
-        return reduced, None if residual is None else aligned(residual.reshape(-1, hidden))
+        return reduced, residual2d
 
 
 @dataclass
@@ -267,7 +263,7 @@ class PcieOneKernelPlan(CallPlan):
     workspace: FusionWorkspace | None = None
 
     def __call__(self, x, residual, weight, eps, x_donated, norm: tuple = PLAIN_NORM):
-        x2d, residual2d = self._rows(x, residual)
+        x2d, residual2d = as_rows(x, residual)
         normed, residual_out = torch.empty_like(x2d), self._residual_out(x2d, residual2d)
         self._run(x2d, Epilogue.NORM, residual=residual2d, weight=aligned(weight), eps=eps, residual_out=residual_out,
                   normed=normed, weight_offset=norm[0], weight_in_fp32=norm[1])
@@ -275,28 +271,22 @@ class PcieOneKernelPlan(CallPlan):
         return normed.view(x.shape), residual_out.view(x.shape)
 
     def fp8(self, x, residual, weight, eps, x_donated, epilogue: Fp8Epilogue, norm: tuple = PLAIN_NORM):
-        x2d, residual2d = self._rows(x, residual)
+        x2d, residual2d = as_rows(x, residual)
         quantized, scales, normed = epilogue.outputs(x2d)
         residual_out = self._residual_out(x2d, residual2d)
         self._run(x2d, Epilogue.FP8, residual=residual2d, weight=aligned(weight), eps=eps, residual_out=residual_out,
                   normed=normed if epilogue.return_normed else None, weight_offset=norm[0], weight_in_fp32=norm[1],
                   fp8=Fp8Outputs(epilogue.recipe, epilogue.static_scale, quantized, scales, epilogue.limits))
         self.count(x.shape[-1], x.dtype)
-        shape = x.shape
-        return (quantized.view(shape), scales.view(*shape[:-1], -1) if scales.numel() else scales, residual_out.view(shape),
-                normed.view(shape) if normed.numel() else normed)
+        return fp8_results_shaped_like(x, quantized, scales, residual_out, normed)
 
     def all_reduce(self, x, in_place: bool):
         """The all-reduce-only op: the kernel with no epilogue into a fresh buffer (copied into `x` when `in_place`)."""
-        x2d, _ = self._rows(x, None)
+        x2d, _ = as_rows(x, None)
         reduced = torch.empty_like(x2d)
         self._run(x2d, Epilogue.ALL_REDUCE, normed=reduced)
         self.count(x.shape[-1], x.dtype)
         return copied_back(x, reduced, in_place)
-
-    def _rows(self, x, residual):
-        hidden = x.shape[-1]
-        return aligned(x.reshape(-1, hidden)), None if residual is None else aligned(residual.reshape(-1, hidden))
 
     @staticmethod
     def _residual_out(x2d, residual2d):
@@ -305,6 +295,20 @@ class PcieOneKernelPlan(CallPlan):
     def _run(self, x2d, epilogue: Epilogue, **arguments) -> None:
         ONE_KERNEL.note_use(self.workspace)
         ONE_KERNEL.kernels.run(self.workspace.handle, x2d, epilogue, **arguments)
+
+
+def as_rows(x: torch.Tensor, residual: torch.Tensor | None) -> tuple:
+    """(x, residual or None) as contiguous, aligned [tokens, hidden] tensors, what the PCIe kernels take."""
+    hidden = x.shape[-1]
+    return aligned(x.reshape(-1, hidden)), None if residual is None else aligned(residual.reshape(-1, hidden))
+
+
+def fp8_results_shaped_like(x: torch.Tensor, quantized, scales, residual_out, normed) -> tuple:
+    """The FP8 variant's results of a call on [tokens, hidden] rows, viewed in x's shape (scales per row in x's
+    leading shape; empty scales or normed, which nothing reads, as they are)."""
+    shape = x.shape
+    return (quantized.view(shape), scales.view(*shape[:-1], -1) if scales.numel() else scales, residual_out.view(shape),
+            normed.view(shape) if normed.numel() else normed)
 
 
 def copied_back(x: torch.Tensor, reduced: torch.Tensor, in_place: bool) -> torch.Tensor:
