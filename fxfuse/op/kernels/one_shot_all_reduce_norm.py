@@ -29,18 +29,14 @@ import torch
 
 from fxfuse.op.fp8_recipe import Fp8Limits, Fp8Recipe
 from fxfuse.op.kernels.add_rmsnorm_fp8_kernel import recipe_terms
-from fxfuse.op.kernels.add_rmsnorm_kernel import (
-    POINTER_ALIGNMENT,
-    next_power_of_2,
-    num_warps_for,
-)
+from fxfuse.op.kernels.add_rmsnorm_kernel import POINTER_ALIGNMENT, num_warps_for
 from fxfuse.op.kernels.triton_launch import DirectLaunch, launch_hooks_installed
 
 #: Flags per rank: generation, arrivals, rows received by each of the three generations.
 FLAG_WORDS = 5
 #: Generations of the receive buffer (see fxfuse.op.kernels.one_shot_triton).
 GENERATIONS = 3
-#: The recipe the constexprs of a launch without FP8 are filled from (unused by the kernel then).
+#: The recipe the FP8 arguments of a launch without FP8 are filled from (unused by the kernel then).
 _NO_FP8 = Fp8Recipe(scaling="per_row")
 
 _DIRECT: dict[tuple, DirectLaunch] = {}
@@ -118,6 +114,13 @@ def _kernel():
 
 
 @functools.cache
+def _terms_without_fp8(hidden: int) -> tuple:
+    """`recipe_terms` of a launch without FP8 (its FP8 arguments unused; a per-row recipe's tile is the whole row),
+    once per row width."""
+    return recipe_terms(_NO_FP8, hidden, Fp8Limits())
+
+
+@functools.cache
 def _multiprocessors(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -132,7 +135,8 @@ def all_reduce_norm_into(
 
     `x` is contiguous [tokens, hidden] of bfloat16 or float16 with 1 <= tokens <= peers.capacity and
     hidden == peers.hidden (the workspace bounds the width: `fxfuse.op.decide.policy.ONE_KERNEL_MAX_HIDDEN`); the
-    outputs are contiguous and shaped like x (scales as `fp8_recipe.scale_shape`); `normed` may be None only for the FP8 epilogue (nothing reads the norm).
+    outputs are contiguous and shaped like x (scales as `fp8_recipe.scale_shape`); `normed` may be None only for
+    the FP8 epilogue (nothing reads the norm).
     `programs` (default: one per SM, at most one per row) must leave every program resident. Raises
     ValueError for a shape the workspace cannot hold (on every rank alike, since the shapes agree).
     `compile_only` compiles the kernel for this call without launching it (a launch is a collective): what
@@ -145,10 +149,10 @@ def all_reduce_norm_into(
         raise ValueError(f"the one-kernel all-reduce holds 1-{peers.capacity} rows of {peers.hidden}; got {tokens} x {hidden}")
     device = x.device.index if x.is_cuda else -1
     programs = min(tokens, programs or (_multiprocessors(device) if x.is_cuda else tokens))
-    recipe, limits = (fp8.recipe, fp8.limits) if fp8 is not None else (_NO_FP8, Fp8Limits())
-    scalars, (rows, cols), recipe_constexprs = recipe_terms(recipe, hidden, limits)
     if fp8 is None:
-        rows, cols = 1, next_power_of_2(hidden)
+        scalars, (rows, cols), recipe_constexprs = _terms_without_fp8(hidden)
+    else:
+        scalars, (rows, cols), recipe_constexprs = recipe_terms(fp8.recipe, hidden, fp8.limits)
     store_normed = normed is not None
     pointers = (
         *peers.pointer_arguments(), peers.flags, x, x if residual is None else residual, x if weight is None else weight,

@@ -4,8 +4,8 @@ the project's own CUDA IPC buffers.
 A workspace holds, on each rank, one receive buffer of 3 generations x world_size x `max_tokens` rows x
 hidden 16-bit elements (`receive_buffer_bytes`), made and mapped by every rank together
 (`fxfuse.op.runtime.cuda_ipc.create_shared_buffers`, each buffer set to the protocol's empty value before
-any peer can map it), the table of every rank's buffer address, and this rank's generation flags, in
-device memory. Its lifecycle is `fxfuse.op.runtime.workspace`'s (agreed creation, never freed under a
+any peer can map it), every rank's buffer as this process maps it (a pointer argument of the kernel each), and
+this rank's generation flags, in device memory. Its lifecycle is `fxfuse.op.runtime.workspace`'s (agreed creation, never freed under a
 captured graph, collective destroy, local release at exit). One workspace serves one stream at a time
 (`fxfuse.op.runtime.stream_order`).
 
@@ -52,8 +52,8 @@ ONE_KERNEL_MAX_TOKENS = 256
 
 
 def one_kernel_workspace_bytes(world_size: int, max_tokens: int, hidden_size: int, dtype: torch.dtype) -> int:
-    """Device memory one rank allocates for a one-kernel workspace: its receive buffer, plus slack for the
-    address table and flags."""
+    """Device memory one rank allocates for a one-kernel workspace: its receive buffer, plus slack for its flags
+    and the allocator's rounding."""
     return receive_buffer_bytes(world_size, max_tokens, hidden_size) + (1 << 20)
 
 

@@ -130,8 +130,8 @@ def plan_call(group: dist.ProcessGroup, tokens: int, hidden: int, dtype, weight_
     norm = (weight_offset, weight_in_fp32)
     steps = LocalSteps()
     if isinstance(plan, PcieOneKernelPlan):
-        steps.run("compiling the one-kernel all-reduce + RMSNorm (Triton)", compile_one_kernel, plan, tokens, dtype,
-                  weight_dtype, residual_dtype, norm, recipe)
+        steps.run("compiling the one-kernel all-reduce + RMSNorm (Triton)", compile_one_kernel, plan, dtype, weight_dtype,
+                  residual_dtype, norm, recipe)
     elif recipe is not None:
         steps.run("compiling the add-RMSNorm + FP8 kernel (Triton)", compile_fp8_kernel, hidden, dtype, weight_dtype,
                   residual_dtype, norm, recipe, not isinstance(plan, TrtllmPlan))
@@ -157,8 +157,8 @@ def plan_all_reduce(group: dist.ProcessGroup, tokens: int, hidden: int, dtype) -
         return plan
     steps = LocalSteps()
     if isinstance(plan, PcieOneKernelPlan):
-        steps.run("compiling the one-kernel all-reduce (Triton)", compile_one_kernel, plan, tokens, dtype, dtype, None,
-                  PLAIN_NORM, None, True)
+        steps.run("compiling the one-kernel all-reduce (Triton)", compile_one_kernel, plan, dtype, dtype, None, PLAIN_NORM,
+                  None, True)
     agreed = (type(plan).__name__, plan.decision.mode.value, tokens, hidden, str(dtype), "all_reduce")
     reason = agreed_failure(steps.failure, group, agreed)
     if reason is not None:
@@ -190,20 +190,24 @@ def compile_fp8_kernel(hidden: int, dtype: torch.dtype, weight_dtype, residual_d
                        normalize: bool) -> None:
     """Compile (once per key) the add-RMSNorm + FP8 kernel (`normalize`) or its quantize-only form, on a one-row call."""
     row, residual, weight, residual_out = _one_row(hidden, dtype, weight_dtype, residual_dtype)
-    static_scale = None if recipe.dynamic else torch.ones((), device=row.device)
-    epilogue = Fp8Epilogue(recipe, static_scale, False, WARM_UP_LIMITS)  # any values: the kernel takes them as it runs
+    epilogue = _warm_up_epilogue(recipe, row.device)
     if normalize:
         epilogue.run(row, residual, weight, 1e-6, residual_out, norm)
     else:
         epilogue.quantize(row)
 
 
-def compile_one_kernel(plan: PcieOneKernelPlan, tokens: int, dtype: torch.dtype, weight_dtype, residual_dtype, norm: tuple,
+def _warm_up_epilogue(recipe: Fp8Recipe, device: torch.device) -> Fp8Epilogue:
+    """The FP8 epilogue a compiling call runs: any values (the kernel takes them as it runs), the norm not returned."""
+    return Fp8Epilogue(recipe, None if recipe.dynamic else torch.ones((), device=device), False, WARM_UP_LIMITS)
+
+
+def compile_one_kernel(plan: PcieOneKernelPlan, dtype: torch.dtype, weight_dtype, residual_dtype, norm: tuple,
                        recipe: Fp8Recipe | None, only_all_reduce: bool = False) -> None:
-    """Compile (without launching: a launch is a collective) the one kernel for `tokens` rows with these dtypes,
-    `norm` and `recipe` (the add-RMSNorm + FP8 epilogue), or with no epilogue (`only_all_reduce`)."""
-    row, residual, weight, residual_out = _one_row(plan.workspace.handle.peers.hidden, dtype, weight_dtype, residual_dtype)
-    x = row.expand(tokens, -1).contiguous()
+    """Compile (without launching: a launch is a collective) the one kernel with these dtypes, `norm` and `recipe`
+    (the add-RMSNorm + FP8 epilogue), or with no epilogue (`only_all_reduce`), on a one-row call: the kernel
+    specializes on no token count."""
+    x, residual, weight, residual_out = _one_row(plan.workspace.handle.peers.hidden, dtype, weight_dtype, residual_dtype)
     fp8 = None
     if only_all_reduce:
         epilogue = Epilogue.ALL_REDUCE
@@ -211,9 +215,9 @@ def compile_one_kernel(plan: PcieOneKernelPlan, tokens: int, dtype: torch.dtype,
         epilogue = Epilogue.NORM
     else:
         epilogue = Epilogue.FP8
-        static_scale = None if recipe.dynamic else torch.ones((), device=row.device)
-        quantized, scales, _ = Fp8Epilogue(recipe, static_scale, False, WARM_UP_LIMITS).outputs(x)
-        fp8 = Fp8Outputs(recipe, static_scale, quantized, scales, WARM_UP_LIMITS)
+        warm_up = _warm_up_epilogue(recipe, x.device)
+        quantized, scales, _ = warm_up.outputs(x)
+        fp8 = Fp8Outputs(recipe, warm_up.static_scale, quantized, scales, warm_up.limits)
     normed = None if epilogue is Epilogue.FP8 else torch.empty_like(x)  # as the plan's first call: the norm not returned
     all_reduce_norm_into(plan.workspace.handle.peers, x, epilogue, residual, weight, 1e-6, residual_out, normed, norm[0],
                          norm[1], fp8, compile_only=True)

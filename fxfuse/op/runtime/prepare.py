@@ -76,7 +76,7 @@ def _compile_one_kernel_agreed(group: dist.ProcessGroup, plan: CallPlan, dtype: 
     """Compile the one kernel with and without a residual on every rank; `RankStepFailed` on every rank if any failed."""
     steps = LocalSteps()
     for residual_dtype in (dtype, None):
-        steps.run("compiling the one-kernel all-reduce + RMSNorm (Triton)", compile_one_kernel, plan, 1, dtype, dtype,
+        steps.run("compiling the one-kernel all-reduce + RMSNorm (Triton)", compile_one_kernel, plan, dtype, dtype,
                   residual_dtype, PLAIN_NORM, None)
     reason = agreed_failure(steps.failure, group)
     if reason is not None:
