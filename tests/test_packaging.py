@@ -25,14 +25,18 @@ print(json.dumps({"ok": True}))
 
 #: What a fresh clone does not have: the build's and the editable install's left-overs (setuptools copies files
 #: that an old `*.egg-info/SOURCES.txt` or `build/lib` lists, which hid a package missing from pyproject.toml),
-#: the environment, and the benchmark results (large, not shipped).
+#: the environments (.venv, and .venv-* for other torch releases), carried wheels (.whl*), and the benchmark
+#: results (large, not shipped).
 NOT_IN_A_CLONE = {".venv", ".git", "build", "dist", ".pytest_cache"}
+#: Prefixes of git-ignored folders a working tree may hold (.gitignore's `.venv*/` and `/.whl*/`).
+NOT_IN_A_CLONE_PREFIXES = (".venv", ".whl")
 
 
 def _clone_like(folder: str, names: list[str]) -> set[str]:
     ignored = {name for name in names if name == "__pycache__"}
     if Path(folder) == REPO:
-        ignored |= {name for name in names if name in NOT_IN_A_CLONE or name.endswith(".egg-info")}
+        ignored |= {name for name in names
+                    if name in NOT_IN_A_CLONE or name.startswith(NOT_IN_A_CLONE_PREFIXES) or name.endswith(".egg-info")}
     if Path(folder) == REPO / "bench":
         ignored |= {"results"} & set(names)
     return ignored
