@@ -185,8 +185,4 @@ def timings_table(timings: dict) -> str:
 
 def describe_ranges(entry) -> str:
     """The entry's ranges in words: "1-16 tokens: pcie_one_kernel; 17-524288 tokens: pcie"."""
-    low, words = 1, []
-    for token_range in entry.ranges:
-        words.append(f"{low}-{token_range.max_tokens} tokens: {token_range.mode.value}")
-        low = token_range.max_tokens + 1
-    return "; ".join(words)
+    return "; ".join(f"{first}-{last} tokens: {mode.value}" for first, last, mode in entry.spans())

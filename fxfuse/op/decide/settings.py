@@ -91,11 +91,8 @@ def one_kernel_choices(table: ThresholdTable) -> str:
     """The entries of `table` that choose the one-kernel PCIe path, and their token counts, in words ("" if none)."""
     choices = []
     for entry in table.entries.values():
-        counts, low = [], 1
-        for token_range in entry.ranges:
-            if token_range.mode is FusionMode.PCIE_ONE_KERNEL:
-                counts.append(f"{low}-{token_range.max_tokens}" if low < token_range.max_tokens else str(low))
-            low = token_range.max_tokens + 1
+        counts = [f"{first}-{last}" if first < last else str(first)
+                  for first, last, mode in entry.spans() if mode is FusionMode.PCIE_ONE_KERNEL]
         if counts:
             choices.append(f"{entry.gpu} x{entry.world_size}, hidden {entry.hidden_size} {entry.dtype}: "
                            f"{', '.join(counts)} tokens")

@@ -83,6 +83,11 @@ class ThresholdEntry:
         """This entry's lookup key."""
         return table_key(self.gpu, self.world_size, self.hidden_size, self.dtype, self.topology)
 
+    def spans(self) -> tuple[tuple[int, int, FusionMode], ...]:
+        """(first token count, last token count, mode) of each range, in order."""
+        firsts = (1, *(r.max_tokens + 1 for r in self.ranges[:-1]))
+        return tuple((first, r.max_tokens, r.mode) for first, r in zip(firsts, self.ranges))
+
     def mode_for(self, num_tokens: int) -> FusionMode:
         """The mode of the first range covering `num_tokens`; fallback beyond the last range."""
         for token_range in self.ranges:
