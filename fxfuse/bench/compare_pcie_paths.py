@@ -1,7 +1,8 @@
 """The fused op's two PCIe implementations timed side by side on one job shape, per token bucket (collective).
 
 `compare_pcie_paths(group, hidden, dtype, max_tokens, profile, tune_cache)` makes both workspaces (FlashInfer's
-PCIe all-reduce with the tuned configurations of `tune_cache`, and the one-kernel path's), then for each
+PCIe all-reduce for `max_tokens`, as the job makes it, so that it runs the tuned configurations of `tune_cache`,
+and the one-kernel path's), then for each
 bucket (1, 2, 4, ... up to `max_tokens` and the one-kernel workspace's capacity) replays CUDA graphs of the
 two-kernel path (the all-reduce, then the fused add-RMSNorm kernel, as `PciePlan` runs them) and of the one
 kernel, interleaved (`fxfuse.bench.replay.replay_timings`), and returns {tokens: (two-kernel us, one-kernel us)},
@@ -42,7 +43,8 @@ def compare_pcie_paths(group: dist.ProcessGroup, hidden: int, dtype: torch.dtype
     """{tokens: (two-kernel us, one-kernel us)} per bucket, the slowest rank's medians (module docstring)."""
     counts = buckets(max_tokens)
     pcie, one = PcieAllReduceKernels(), OneKernelPcieKernels()
-    two_workspace = pcie.create_workspace(group, counts[-1], hidden, dtype, profile, tune_cache)
+    # the job's size: FlashInfer keys its tuned configurations by the workspace's size
+    two_workspace = pcie.create_workspace(group, max_tokens, hidden, dtype, profile, tune_cache)
     try:
         one_workspace = one.create_workspace(group, counts[-1], hidden)
         try:
