@@ -24,12 +24,7 @@ from fxfuse.op.decide.topology import Topology
 from fxfuse.op.fp8_recipe import FP8_DTYPE, Fp8Recipe, scale_shape
 from fxfuse.op.kernels.add_rmsnorm_fp8_kernel import add_rmsnorm_fp8_into
 from fxfuse.op.kernels.one_shot_all_reduce_norm import (
-    FLAG_WORDS,
-    Epilogue,
-    Fp8Outputs,
-    PeerBuffers,
-    all_reduce_norm_into,
-    receive_buffer_bytes,
+    FLAG_WORDS, Epilogue, Fp8Outputs, PeerBuffers, all_reduce_norm_into, receive_buffer_bytes,
 )
 from fxfuse.op.reference import add_rmsnorm
 from fxfuse.op.runtime.cuda_ipc import SharedBufferError, create_shared_buffers

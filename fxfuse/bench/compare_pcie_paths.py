@@ -20,10 +20,7 @@ from fxfuse.bench.replay import replay_timings
 from fxfuse.op.decide.agreement import collective_device
 from fxfuse.op.kernels.add_rmsnorm_kernel import add_rmsnorm_into
 from fxfuse.op.kernels.one_shot_all_reduce_norm import Epilogue
-from fxfuse.op.runtime.one_kernel_pcie import (
-    ONE_KERNEL_MAX_TOKENS,
-    OneKernelPcieKernels,
-)
+from fxfuse.op.runtime.one_kernel_pcie import ONE_KERNEL_MAX_TOKENS, OneKernelPcieKernels
 from fxfuse.op.runtime.pcie_kernels import PcieAllReduceKernels
 
 #: Replay rounds per bucket and calls per graph.

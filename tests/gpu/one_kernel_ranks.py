@@ -24,12 +24,7 @@ from fxfuse.op.fp8_recipe import FP8_DTYPE, scale_shape
 from fxfuse.op.kernels.add_rmsnorm_fp8_kernel import add_rmsnorm_fp8_into
 from fxfuse.op.kernels.add_rmsnorm_kernel import add_rmsnorm_into
 from fxfuse.op.kernels.one_shot_all_reduce_norm import (
-    FLAG_WORDS,
-    Epilogue,
-    Fp8Outputs,
-    PeerBuffers,
-    all_reduce_norm_into,
-    receive_buffer_bytes,
+    FLAG_WORDS, Epilogue, Fp8Outputs, PeerBuffers, all_reduce_norm_into, receive_buffer_bytes,
 )
 
 #: Norm variants: name -> (weight offset, weight applied in float32, float32 weight, float32 residual, residual given).

@@ -29,18 +29,9 @@ import torch.distributed as dist
 
 from fxfuse.op.decide.policy import ONE_KERNEL_MAX_HIDDEN
 from fxfuse.op.kernels.one_shot_all_reduce_norm import (
-    FLAG_WORDS,
-    DeviceAddress,
-    Epilogue,
-    PeerBuffers,
-    all_reduce_norm_into,
-    receive_buffer_bytes,
+    FLAG_WORDS, DeviceAddress, Epilogue, PeerBuffers, all_reduce_norm_into, receive_buffer_bytes,
 )
-from fxfuse.op.runtime.cuda_ipc import (
-    SharedBuffer,
-    close_shared_buffers,
-    create_shared_buffers,
-)
+from fxfuse.op.runtime.cuda_ipc import SharedBuffer, close_shared_buffers, create_shared_buffers
 from fxfuse.op.runtime.stream_order import bind_to_current_stream
 
 #: The receive buffers' empty value, byte by byte (0xFFFF per 16-bit element: see one_shot_triton.SENTINEL).
