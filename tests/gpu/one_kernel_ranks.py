@@ -7,7 +7,8 @@ CUDA stream; every rank's `PeerBuffers` names every buffer, as the CUDA IPC work
 processes. The kernels of the ranks then run concurrently on one GPU, as they would on eight, without
 the time-slicing that ranks in separate processes sharing a GPU pay: that is what lets a test replay
 100,000+ calls. Each rank's launch has at most `SMs // world_size` programs, so every rank's programs are
-resident together (the kernel's rule: all programs of a call resident at once).
+resident together (the kernel's rule: all programs of a call resident at once), and the process must start
+with CUDA_DEVICE_MAX_CONNECTIONS above the world size, so that no two ranks' streams share a hardware queue.
 
 `two_kernel_answer` is what the two-kernel path computes from the same inputs: the all-reduce (summed in
 float32 in rank order, rounded to the dtype: what the one kernel sums; on small-integer data, exactly the
@@ -16,6 +17,7 @@ sum NCCL and FlashInfer's PCIe all-reduce give), then fxfuse's fused add-RMSNorm
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import torch
@@ -51,6 +53,8 @@ class StreamRanks:
                       for rank in range(world_size)]
         self.streams = [torch.cuda.Stream() for _ in range(world_size)]
         self.programs = max(1, torch.cuda.get_device_properties(device).multi_processor_count // world_size)
+        if int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")) <= world_size:
+            raise RuntimeError("stream ranks need CUDA_DEVICE_MAX_CONNECTIONS > world size, set before CUDA starts")
 
     def launch(self, call) -> None:
         """`call(rank, peers, programs)` on every rank's stream, after the current stream's work; the current

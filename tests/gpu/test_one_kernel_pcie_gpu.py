@@ -310,7 +310,10 @@ def _epilogue(fp8: bool):
 
 
 def _spawn(fn, world_size: int, *args):
-    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    # CUDA_DEVICE_MAX_CONNECTIONS: stream ranks need a hardware queue each; on the default 8 queues two ranks'
+    # streams could share one, and the kernel of the rank queued second would wait behind the first's wait for it
+    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+                      CUDA_DEVICE_MAX_CONNECTIONS="32")
     return run_on_ranks(fn, world_size, *args, device="cpu", timeout_s=SPAWN_TIMEOUT_S)
 
 
