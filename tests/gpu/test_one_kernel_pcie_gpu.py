@@ -19,7 +19,8 @@ expected (Triton compiles about 100 kernel variants, those of the three world si
 JIT about 20 s):
     WHEELS=.whl072s PARTS=tests TESTS="tests/gpu/test_one_kernel_pcie_gpu.py -x -s" TESTS_TIMEOUT_S=560 scripts/gpu_check.sh
 then the compiled model with the path forced: TESTS="tests/gpu/test_compiled_model_cuda_graph.py -k pcie_one_kernel" and
-TESTS="tests/gpu/test_compiled_model_tp8_gpu.py -k pcie_one_kernel".
+TESTS="tests/gpu/test_compiled_model_tp8_gpu.py -k pcie_one_kernel" (neither needs FlashInfer's TensorRT-LLM JIT,
+so both may follow this file in the same call, with `-k one_kernel` and no `-x`, if its time allows).
 """
 
 from __future__ import annotations
