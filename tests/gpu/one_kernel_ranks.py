@@ -22,7 +22,7 @@ import zlib
 
 import torch
 
-from fxfuse.op.fp8_recipe import FP8_DTYPE, scale_shape
+from fxfuse.op.fp8_recipe import FP8_DTYPE, Fp8Limits, scale_shape
 from fxfuse.op.kernels.add_rmsnorm_fp8_kernel import add_rmsnorm_fp8_into
 from fxfuse.op.kernels.add_rmsnorm_kernel import add_rmsnorm_into
 from fxfuse.op.kernels.one_shot_all_reduce_norm import (
@@ -114,7 +114,7 @@ def outputs_like(x: torch.Tensor, residual: torch.Tensor | None, recipe=None) ->
     return out
 
 
-def two_kernel_answer(xs, residual, weight, offset, in_fp32, recipe=None, static_scale=None, limits=None) -> dict:
+def two_kernel_answer(xs, residual, weight, offset, in_fp32, recipe=None, static_scale=None, limits=Fp8Limits()) -> dict:
     """The two-kernel path's outputs for these inputs: `summed(xs)`, then fxfuse's fused norm (+ FP8) kernel."""
     reduced = summed(xs)
     out = outputs_like(reduced, residual, recipe)
@@ -127,7 +127,7 @@ def two_kernel_answer(xs, residual, weight, offset, in_fp32, recipe=None, static
 
 
 def one_kernel_call(peers, x, residual, weight, offset, in_fp32, out: dict, programs: int, recipe=None, static_scale=None,
-                    limits=None) -> None:
+                    limits=Fp8Limits()) -> None:
     """The one kernel's call writing `out` (as `outputs_like` made it): the norm, or the norm and FP8."""
     fp8 = None if recipe is None else Fp8Outputs(recipe, static_scale, out["quantized"], out["scales"], limits)
     all_reduce_norm_into(peers, x, Epilogue.NORM if recipe is None else Epilogue.FP8, residual, weight, EPS,
