@@ -22,8 +22,9 @@ fxfuse-thresholds-pcie-ws<N>.json beside the tuning file) that gives each token 
 one kernel only where it was faster; above the last bucket, the two-kernel path, as without the file), and
 prints the table. Point FXFUSE_THRESHOLDS at that file on every rank of the job to use it; without it, the
 two-kernel path runs, as before. The one kernel is opt-in here until its GPU tests
-(tests/gpu/test_one_kernel_pcie_gpu.py) have run on a GPU: it has been checked on CPU only (Triton's interpreter,
-and its PTX compiled for SM 9.0 and 12.0), and a protocol fault in a kernel of this kind hangs the GPU.
+(tests/gpu/test_one_kernel_pcie_gpu.py) have all passed: so far the compiled model ran it on a GPU at tp 8 and 2,
+while its exactness and 100,000-replay tests have not yet reported, and a protocol fault in a kernel of this
+kind hangs the GPU.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def add_tune_pcie_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="tuning file to write (default: $FXFUSE_PCIE_TUNE_CACHE, else FlashInfer's path)")
     p.add_argument("--one-kernel", action="store_true",
                    help="also time fxfuse's one-kernel PCIe path against the two-kernel path per token count and write "
-                        "a thresholds file choosing the faster (experimental: not yet run on a GPU; default off)")
+                        "a thresholds file choosing the faster (experimental: its GPU tests have not all passed yet; default off)")
     p.add_argument("--thresholds-out", default=None,
                    help="thresholds file the one-kernel vs two-kernel timings are written to, merged into it if it exists "
                         "(default: $FXFUSE_THRESHOLDS, else fxfuse-thresholds-pcie-ws<N>.json beside the tuning file)")
