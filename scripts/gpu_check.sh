@@ -6,6 +6,7 @@
 # writing logs and results to $OUT/results/, tarred at the end into $OUT/results.tar.gz (the device
 # tool returns at most 8 files), with env.txt and the pytest log also beside it.
 #   tests     pytest -m gpu $TESTS (default tests/gpu)                     -> pytest_gpu.log
+#             (TESTS is split into words unquoted: put a -k expression with spaces in PYTEST_ADDOPTS instead)
 #   fallback  fxfuse bench fallback --quant none (one-rank NCCL: fallback vs Inductor, static and
 #             dynamic shapes)                                               -> fallback_*.json/.md
 #   quantbench  fxfuse bench fallback, the whole sweep (none/group/row/tensor FP8 after the norm, static
