@@ -27,7 +27,7 @@ print(json.dumps({"ok": True}))
 #: that an old `*.egg-info/SOURCES.txt` or `build/lib` lists, which hid a package missing from pyproject.toml),
 #: the environments (.venv, and .venv-* for other torch releases), carried wheels (.whl*), and the benchmark
 #: results (large, not shipped).
-NOT_IN_A_CLONE = {".venv", ".git", "build", "dist", ".pytest_cache"}
+NOT_IN_A_CLONE = {".git", "build", "dist", ".pytest_cache"}
 #: Prefixes of git-ignored folders a working tree may hold (.gitignore's `.venv*/` and `/.whl*/`).
 NOT_IN_A_CLONE_PREFIXES = (".venv", ".whl")
 
