@@ -102,9 +102,11 @@ def _reuse_on_rank(ctx, store: str):
 
 def _recreate_groups(ctx, store: str):
     """Destroy every group, re-initialize the world (file store) and make a one-rank group [0]: on
-    rank 0 it gets the name "1" again, which a two-rank group had before."""
+    rank 0 it gets the name "1" again, which a two-rank group had before. The barrier keeps rank 1, which has
+    nothing more to do, from ending while rank 0 still connects to it (gloo: "Connection closed by peer")."""
     dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=ctx.rank, world_size=ctx.world_size)
+    dist.barrier()
     return dist.new_group([0])
 
 
