@@ -8,8 +8,8 @@ Environment variables (an empty value counts as unset):
   algorithm of FlashInfer's TensorRT-LLM kernel wherever it can run at all, whatever the topology:
   the explicit opt-in for PCIe or NVLink-bridge groups), `pcie` (force FlashInfer's PCIe all-reduce
   where it can run), `pcie_one_kernel` (force fxfuse's one-kernel all-reduce + norm over CUDA IPC where it
-  can run, else the PCIe two-kernel path; experimental until its GPU tests all pass; normally a thresholds
-  file chooses it, see `fxfuse tune pcie --one-kernel`),
+  can run, else the PCIe two-kernel path; normally a thresholds file chooses it where measured faster, see
+  `fxfuse tune pcie --one-kernel`),
   `off` (never fused: NCCL all-reduce + the fused add-RMSNorm kernel).
 - `FXFUSE_MAX_TOKENS`: token capacity of workspaces created implicitly (default 512).
 - `FXFUSE_TOPOLOGY`: `auto` (default: detected) or `nvswitch` / `nvlink` / `pcie` / `none`.
